@@ -34,7 +34,7 @@ def test_copy_blocks_copies_every_layer_k_and_v_and_nothing_else():
 @pytest.mark.parametrize("heads,kv_heads", [(2, 2), (6, 2), (8, 2)])
 @pytest.mark.parametrize("block_size", [8, 16])
 def test_decode_torch_matches_naive_attention(heads, kv_heads, block_size):
-    lens = [1, 7, 16, 33, 70]
+    lens = [1, 7, 16, 33, 70, 5, 64, 17, 2, 40, 9]  # unsorted, more than one group of 8
     cache = make_paged_cache(lens, block_size, kv_heads, 16)
     q = torch.randn(len(lens), heads, 16)
     scale = 1 / math.sqrt(16)
