@@ -1,6 +1,8 @@
 import torch
 import torch.nn.functional as F
 
+from kernels._workspace import gather_blocks
+
 
 def prefill_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
@@ -17,8 +19,8 @@ def prefill_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         assert ctx >= q_len, "the new tokens are part of the context"
         nb = -(-ctx // bs)
         blocks = block_tables[s, :nb].long()
-        k = k_cache[blocks].view(nb * bs, hkv, d)[:ctx].transpose(0, 1)
-        v = v_cache[blocks].view(nb * bs, hkv, d)[:ctx].transpose(0, 1)
+        k = gather_blocks(k_cache, blocks, "prefill_k").view(nb * bs, hkv, d)[:ctx].transpose(0, 1)
+        v = gather_blocks(v_cache, blocks, "prefill_v").view(nb * bs, hkv, d)[:ctx].transpose(0, 1)
         qs = q[start:end].transpose(0, 1)
         if ctx == q_len:
             o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)
