@@ -1,0 +1,36 @@
+import os
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    model: str = "smollm2-135m"
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    # KV pool budget: bytes (> 1) or a fraction of free memory (<= 1)
+    kv_cache_memory: float = 0.25
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory (tests use it to force preemption)
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # default: the model's context length
+    enable_prefix_caching: bool = True
+    attention_backend: str | None = None  # "torch" | "triton"; default from env, else by device
+    max_beam_width: int = 8
+    draft_model: str | None = None
+    cache_dir: str | None = None
+    num_threads: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.attention_backend is None:
+            default = "triton" if self.device.startswith("cuda") else "torch"
+            self.attention_backend = os.environ.get("DECODELAB_ATTENTION_BACKEND", default)
+        if self.attention_backend not in ("torch", "triton"):
+            raise ValueError(f"attention_backend: expected 'torch' or 'triton', got {self.attention_backend!r}")
+        if self.dtype not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype: expected float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size: must be a power of two, got {self.block_size}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")

@@ -1,0 +1,83 @@
+import math
+from dataclasses import dataclass, field
+
+MODES = ("greedy", "sample", "beam", "speculative")
+
+
+@dataclass
+class SamplingParams:
+    """Per-request decoding parameters; field names follow vLLM."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_k: int = -1  # -1 (or 0 in HF terms) disables
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    max_tokens: int = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    # decoding mode; None derives it from temperature (0 -> greedy, else sample)
+    mode: str | None = None
+    beam_width: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    proposer: str = "ngram"
+    num_speculative_tokens: int = 4
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.mode is None:
+            self.mode = "greedy" if self.temperature == 0 else "sample"
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.mode == "greedy" or self.temperature == 0
+
+    def validate(self) -> None:
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"{name}: {why}")
+
+        if self.mode not in MODES:
+            bad("mode", f"unknown mode {self.mode!r}; expected one of {', '.join(MODES)}")
+        if not isinstance(self.n, int) or self.n < 1:
+            bad("n", f"must be an integer >= 1, got {self.n!r}")
+        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:
+            bad("temperature", f"must be a number >= 0, got {self.temperature!r}")
+        if math.isinf(self.temperature):
+            bad("temperature", "must be finite")
+        if not isinstance(self.top_k, int) or self.top_k < -1 or self.top_k == 0:
+            bad("top_k", f"must be -1 (disabled) or >= 1, got {self.top_k!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not (isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1):
+            bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
+        if not (isinstance(self.repetition_penalty, (int, float)) and self.repetition_penalty > 0
+                and math.isfinite(self.repetition_penalty)):
+            bad("repetition_penalty", f"must be a finite number > 0, got {self.repetition_penalty!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            bad("min_tokens", f"must be in [0, max_tokens], got {self.min_tokens!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            bad("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad("seed", f"must be an integer, got {self.seed!r}")
+        if not isinstance(self.beam_width, int) or self.beam_width < 1:
+            bad("beam_width", f"must be an integer >= 1, got {self.beam_width!r}")
+        if self.early_stopping not in (True, False, "never"):
+            bad("early_stopping", f"must be True, False or 'never', got {self.early_stopping!r}")
+        if self.proposer not in ("draft", "ngram"):
+            bad("proposer", f"must be 'draft' or 'ngram', got {self.proposer!r}")
+        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
+            bad("num_speculative_tokens", f"must be in [1, 16], got {self.num_speculative_tokens!r}")
+        if self.mode == "beam" and self.n > self.beam_width:
+            bad("n", f"beam search returns at most beam_width={self.beam_width} beams, got n={self.n}")
+        if self.mode == "greedy" and self.n > 1:
+            bad("n", "greedy decoding gives one output; use mode='sample' or 'beam' for n > 1")
