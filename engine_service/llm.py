@@ -10,8 +10,8 @@ Prompt = str | dict
 
 
 class LLM:
-    def __init__(self, model: str = "smollm2-135m", **kwargs):
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+    def __init__(self, model: str = "smollm2-135m", config: EngineConfig | None = None, **kwargs):
+        self.engine = LLMEngine(config or EngineConfig(model=model, **kwargs))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

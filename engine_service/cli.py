@@ -1,0 +1,152 @@
+"""`decodelab` command line: generate, bench, and the service commands (engine, web, play)."""
+import argparse
+import json
+import sys
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mode", default=None, choices=["greedy", "sample", "beam", "speculative"])
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--n", type=int, default=1)
+    p.add_argument("--stop", action="append", default=[])
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--logprobs", type=int, default=None)
+
+
+def sampling_params_from_args(args):
+    from engine_service.sampling_params import SamplingParams
+
+    temperature = args.temperature
+    if temperature is None:
+        temperature = 1.0 if args.mode == "sample" else 0.0
+    mode = args.mode or ("greedy" if temperature == 0 else "sample")
+    return SamplingParams(mode=mode, n=args.n, temperature=temperature, top_k=args.top_k, top_p=args.top_p,
+                          min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
+                          stop=args.stop, ignore_eos=args.ignore_eos, max_tokens=args.max_tokens,
+                          logprobs=args.logprobs)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m", help="registry name, HF model directory or .gguf path")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--kv-cache-memory", type=float, default=0.25, help="bytes, or a fraction (<= 1) of free memory")
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
+    p.add_argument("--draft-model", default=None)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--threads", type=int, default=None)
+
+
+def engine_config_from_args(args):
+    from engine_service.config import EngineConfig
+
+    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+                        kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
+                        block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        attention_backend=args.attention_backend, draft_model=args.draft_model,
+                        enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads)
+
+
+def read_prompts(args) -> list:
+    prompts: list = list(args.prompt or [])
+    if args.prompts_file:
+        with open(args.prompts_file) as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                item = json.loads(line)
+                if "prompt_token_ids" in item:
+                    prompts.append({"prompt_token_ids": item["prompt_token_ids"]})
+                elif "prompt" in item:
+                    prompts.append(item["prompt"])
+                else:
+                    raise ValueError(f"{args.prompts_file}:{lineno}: expected 'prompt' or 'prompt_token_ids'")
+    if not prompts:
+        raise ValueError("no prompts: give --prompt TEXT (repeatable) or --prompts-file F.jsonl")
+    return prompts
+
+
+def cmd_generate(args) -> int:
+    from engine_service.llm import LLM
+
+    prompts = read_prompts(args)
+    params = sampling_params_from_args(args)
+    llm = LLM(config=engine_config_from_args(args))
+    if args.chat:
+        prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) if isinstance(p, str) else p
+                   for p in prompts]
+    for out in llm.generate(prompts, params):
+        if args.json:
+            print(json.dumps({
+                "prompt_token_ids": out.prompt_token_ids,
+                "outputs": [{"token_ids": o.token_ids, "text": o.text, "finish_reason": o.finish_reason,
+                             "cumulative_logprob": o.cumulative_logprob,
+                             **({"score": o.score} if o.score is not None else {}),
+                             **({"logprobs": [{str(k): v for k, v in d.items()} for d in o.logprobs]}
+                                if o.logprobs is not None else {})}
+                            for o in out.outputs],
+                "metrics": out.metrics.to_dict(),
+            }), flush=True)
+        else:
+            for o in out.outputs:
+                label = f"[{o.index}] " if len(out.outputs) > 1 else ""
+                print(f"{label}{out.prompt if out.prompt is not None else out.prompt_token_ids!r}"
+                      f"\033[1m{o.text}\033[0m  ({o.finish_reason})", flush=True)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="decodelab", description="See and serve LLM decoding.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="run prompts through the engine (all prompts batch together)")
+    add_engine_args(g)
+    add_sampling_args(g)
+    g.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    g.add_argument("--prompts-file", help='JSONL: {"prompt": ...} or {"prompt_token_ids": [...]} per line')
+    g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    g.add_argument("--json", action="store_true", help="one JSON object per prompt, in input order")
+    g.set_defaults(func=cmd_generate)
+    from engine_service.bench import add_bench_parser
+
+    add_bench_parser(sub, add_engine_args)
+    _add_service_parsers(sub)
+    return parser
+
+
+def _add_service_parsers(sub) -> None:
+    """The Redis service commands live in their own modules; they register here when present."""
+    import importlib
+
+    for module in ("engine_service.worker", "engine_service.play", "web.app"):
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name == module:
+                continue
+            raise
+        if hasattr(mod, "add_parser"):
+            mod.add_parser(sub, add_engine_args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except ValueError as e:
+        print(f"decodelab: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
