@@ -1,0 +1,229 @@
+"""Client side of the Redis protocol: submit, stream events with gap detection, recover, cancel.
+
+Used by the web UI and the OpenAI endpoints alike (asyncio; redis.asyncio).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+from pydantic import ValidationError
+from redis.asyncio.client import PubSub
+from redis.exceptions import RedisError, ResponseError
+
+from shared.keys import Keys
+from shared.protocol import (PROTOCOL_VERSION, DoneEvent, ErrorEvent, GenerationRequest, TerminalEvent,
+                             TokenEvent, decode_event, encode)
+
+# Bounded queue: entries in the stream not yet delivered to any replica (XLEN minus pending).
+_SUBMIT = """
+local ok, pending = pcall(redis.call, 'XPENDING', KEYS[1], ARGV[1])
+local inflight = 0
+if ok then inflight = tonumber(pending[1]) end
+local waiting = redis.call('XLEN', KEYS[1]) - inflight
+if waiting >= tonumber(ARGV[2]) then return {0, tostring(waiting)} end
+return {1, redis.call('XADD', KEYS[1], '*', 'v', ARGV[3], 'id', ARGV[4], 'data', ARGV[5])}
+"""
+
+
+class QueueFull(Exception):
+    pass
+
+
+def _s(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+async def ensure_group(r: aioredis.Redis, keys: Keys) -> None:
+    try:
+        await r.xgroup_create(keys.stream, keys.group, id="0", mkstream=True)
+    except ResponseError as e:
+        if "BUSYGROUP" not in str(e):
+            raise
+
+
+@dataclass
+class Submission:
+    request: GenerationRequest
+    entry_id: str
+    pubsub: PubSub
+    gaps: int = 0  # sequence gaps seen; after one, tokens are skipped and the result key is used
+    restarts: int = 0  # times a replica re-ran the request (its first replica died)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+@dataclass
+class TextAccumulator:
+    """Turns a token-event stream into append-only text per output, across restarts and rewrites.
+
+    A re-run (higher attempt) or a beam rewrite may repeat text already delivered: only what goes
+    beyond it is returned. `final` returns the rest of the final text at the end.
+    """
+
+    delivered: dict[int, str] = field(default_factory=dict)
+    current: dict[int, str] = field(default_factory=dict)
+    attempt: int = 0
+
+    def _advance(self, index: int, text: str) -> str:
+        self.current[index] = text
+        sent = self.delivered.get(index, "")
+        if len(text) <= len(sent) or not text.startswith(sent):
+            return ""
+        self.delivered[index] = text
+        return text[len(sent):]
+
+    def feed(self, ev: TokenEvent) -> str:
+        if ev.attempt != self.attempt:
+            self.attempt, self.current = ev.attempt, {}
+        base = "" if ev.reset else self.current.get(ev.index, "")
+        return self._advance(ev.index, base + ev.text_delta)
+
+    def final(self, index: int, text: str) -> str:
+        return self._advance(index, text)
+
+
+class EngineClient:
+    def __init__(self, redis: aioredis.Redis | str, keys: Keys | None = None, *, max_queue: int | None = None,
+                 recover_after: float = 3.0, timeout: float = 600.0, result_ttl: int = 3600) -> None:
+        self.redis = aioredis.Redis.from_url(redis, decode_responses=True) if isinstance(redis, str) else redis
+        self.keys = keys or Keys.from_env()
+        self.max_queue = max_queue if max_queue is not None else int(os.environ.get("DECODELAB_MAX_QUEUE", 256))
+        self.recover_after = recover_after  # silence after which the result key is checked
+        self.timeout = timeout  # default overall wait for one request
+        self.cancel_ttl = result_ttl
+        self._submit = self.redis.register_script(_SUBMIT)
+        self._group_ready = False
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    async def submit(self, request: GenerationRequest) -> Submission:
+        """Subscribe to the request's channel, then enqueue it; raises QueueFull beyond the bound."""
+        if not self._group_ready:
+            await ensure_group(self.redis, self.keys)
+            self._group_ready = True
+        pubsub = self.redis.pubsub()
+        try:
+            await pubsub.subscribe(self.keys.events(request.request_id))
+            ok, value = await self._submit(
+                keys=[self.keys.stream],
+                args=[self.keys.group, self.max_queue, PROTOCOL_VERSION, request.request_id, encode(request)])
+        except BaseException:
+            await pubsub.aclose()
+            raise
+        if not int(ok):
+            await pubsub.aclose()
+            raise QueueFull(f"queue full: {_s(value)} requests waiting (limit {self.max_queue}); retry later")
+        return Submission(request, _s(value), pubsub)
+
+    async def result(self, request_id: str) -> TerminalEvent | None:
+        data = await self.redis.get(self.keys.result(request_id))
+        return decode_event(data) if data is not None else None
+
+    async def cancel(self, request_id: str) -> None:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(self.keys.cancelled(request_id), "1", ex=self.cancel_ttl)
+            pipe.publish(self.keys.cancel_channel, request_id)
+            await pipe.execute()
+
+    async def _recover(self, sub: Submission) -> TerminalEvent | None:
+        """The result if there is one; None while the request is queued or running; else a `lost` error."""
+        rid = sub.request_id
+        if (done := await self.result(rid)) is not None:
+            return done
+        if await self.redis.exists(self.keys.owner(rid)) or await self.redis.xrange(
+                self.keys.stream, sub.entry_id, sub.entry_id):
+            return None
+        if (done := await self.result(rid)) is not None:  # it may have finished between the checks
+            return done
+        return ErrorEvent(request_id=rid, seq=0, code="lost",
+                          message="the request is gone from Redis with no result (was Redis restarted?)")
+
+    async def _resubscribe(self, sub: Submission, end: float) -> bool:
+        delay = 0.1
+        while time.monotonic() < end:
+            try:
+                await sub.pubsub.aclose()
+                sub.pubsub = self.redis.pubsub()
+                await sub.pubsub.subscribe(self.keys.events(sub.request_id))
+                return True
+            except (RedisError, OSError):
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 1.0)
+        return False
+
+    async def stream(self, sub: Submission, timeout: float | None = None
+                     ) -> AsyncIterator[TokenEvent | DoneEvent | ErrorEvent]:
+        """Yield the request's TokenEvents, then exactly one terminal event (DoneEvent or ErrorEvent).
+
+        Gaps in sequence numbers and silences are repaired from the result key; every wait is bounded.
+        """
+        rid = sub.request_id
+        end = time.monotonic() + (timeout or self.timeout)
+        if sub.request.deadline is not None:  # the replica reports a missed deadline itself; this is a backstop
+            end = min(end, time.monotonic() + max(0.0, sub.request.deadline - time.time()) + self.recover_after + 2)
+        attempt, next_seq, gap = 0, 0, False
+        last_heard = time.monotonic()
+        try:
+            while True:
+                now = time.monotonic()
+                if now >= end:
+                    code = "deadline_exceeded" if sub.request.deadline is not None else "timeout"
+                    yield ErrorEvent(request_id=rid, seq=0, attempt=max(attempt, 1), code=code,
+                                     message=f"no result for request {rid} in time")
+                    return
+                try:
+                    if now - last_heard >= self.recover_after:
+                        last_heard = now
+                        if (done := await self._recover(sub)) is not None:
+                            yield done
+                            return
+                    msg = await sub.pubsub.get_message(ignore_subscribe_messages=True,
+                                                       timeout=min(0.5, max(0.01, end - now)))
+                except (RedisError, OSError):
+                    if not await self._resubscribe(sub, end):
+                        yield ErrorEvent(request_id=rid, seq=0, attempt=max(attempt, 1), code="unavailable",
+                                         message="Redis unreachable; the request's fate is unknown")
+                        return
+                    last_heard = 0.0  # check the result key at once
+                    continue
+                if msg is None or msg.get("type") != "message":
+                    continue
+                try:
+                    ev = decode_event(msg["data"])
+                except ValidationError:
+                    continue
+                if ev.request_id != rid or ev.attempt < attempt:
+                    continue  # a stale replica still running an older attempt
+                last_heard = time.monotonic()
+                if ev.attempt > attempt:
+                    sub.restarts += attempt > 0
+                    attempt, next_seq, gap = ev.attempt, 0, False
+                if ev.seq < next_seq:
+                    continue  # duplicate (a publisher retried)
+                if isinstance(ev, (DoneEvent, ErrorEvent)):
+                    yield ev
+                    return
+                if ev.seq > next_seq and not gap:
+                    gap = True
+                    sub.gaps += 1
+                next_seq = ev.seq + 1
+                if not gap:
+                    yield ev
+        finally:
+            await sub.pubsub.aclose()
+
+    async def generate(self, request: GenerationRequest, timeout: float | None = None) -> TerminalEvent:
+        """Submit and wait for the terminal event (errors are returned, not raised; QueueFull is raised)."""
+        sub = await self.submit(request)
+        async for ev in self.stream(sub, timeout):
+            if not isinstance(ev, TokenEvent):
+                return ev
+        raise AssertionError("stream ended without a terminal event")

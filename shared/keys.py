@@ -1,0 +1,46 @@
+"""Every Redis key and channel name, under one configurable prefix."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+DEFAULT_PREFIX = "decodelab"
+
+
+@dataclass(frozen=True)
+class Keys:
+    prefix: str = DEFAULT_PREFIX
+
+    @classmethod
+    def from_env(cls) -> Keys:
+        return cls(os.environ.get("DECODELAB_REDIS_PREFIX", DEFAULT_PREFIX))
+
+    @property
+    def stream(self) -> str:  # requests: XADD by clients, XREADGROUP by replicas
+        return f"{self.prefix}:requests"
+
+    @property
+    def group(self) -> str:  # the one consumer group; every replica is a consumer
+        return f"{self.prefix}:replicas"
+
+    @property
+    def cancel_channel(self) -> str:  # pub/sub: request ids to abort
+        return f"{self.prefix}:cancel"
+
+    def events(self, request_id: str) -> str:  # pub/sub: TokenEvent ... DoneEvent | ErrorEvent
+        return f"{self.prefix}:events:{request_id}"
+
+    def result(self, request_id: str) -> str:  # the terminal event, with a TTL: the source of truth
+        return f"{self.prefix}:result:{request_id}"
+
+    def cancelled(self, request_id: str) -> str:  # cancel mark for a request still queued
+        return f"{self.prefix}:cancelled:{request_id}"
+
+    def attempt(self, request_id: str) -> str:  # INCR per pickup: attempt number of the run
+        return f"{self.prefix}:attempt:{request_id}"
+
+    def owner(self, request_id: str) -> str:  # replica running it, kept alive by its heartbeat
+        return f"{self.prefix}:owner:{request_id}"
+
+    def replica(self, name: str) -> str:  # replica heartbeat: model name and load, with a TTL
+        return f"{self.prefix}:replica:{name}"

@@ -1,0 +1,152 @@
+"""Wire protocol between clients (web, OpenAI API) and engine replicas: Pydantic models, JSON only."""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+
+PROTOCOL_VERSION = 1
+
+Mode = Literal["greedy", "sample", "beam", "speculative"]
+ErrorCode = Literal[
+    "invalid_request",      # the replica (or engine) refused the request's content
+    "unsupported_version",  # protocol version mismatch
+    "queue_full",           # backpressure: refused at submit time
+    "deadline_exceeded",    # dropped before or during generation
+    "engine_error",         # the engine raised while running it
+    "lost",                 # Redis lost the request (e.g. restarted without persistence)
+    "timeout",              # the client gave up waiting
+    "unavailable",          # Redis unreachable
+]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class SamplingOptions(_Model):
+    """Sampling parameters with vLLM names; the engine's SamplingParams re-validates them."""
+
+    n: int = Field(1, ge=1, le=16)
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    top_k: int = Field(-1, ge=-1)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list, max_length=16)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
+    ignore_eos: bool = False
+    max_tokens: int = Field(16, ge=1)
+    min_tokens: int = Field(0, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    mode: Mode | None = None
+    beam_width: int = Field(1, ge=1, le=64)
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
+    proposer: Literal["draft", "ngram"] = "ngram"
+    num_speculative_tokens: int = Field(4, ge=1, le=16)
+
+
+class ChatMessage(_Model):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+class GenerationRequest(_Model):
+    v: int = PROTOCOL_VERSION
+    request_id: str = Field(default_factory=new_request_id, pattern=r"^[A-Za-z0-9_.:-]{1,128}$")
+    prompt: str | list[int] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    params: SamplingOptions = Field(default_factory=SamplingOptions)
+    model: str | None = None
+    client_id: str = Field("", max_length=128)
+    created_at: float = Field(default_factory=time.time)
+    deadline: float | None = None  # unix time; past it the request is dropped with an error event
+
+    @model_validator(mode="after")
+    def _one_input(self) -> GenerationRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("exactly one of prompt and messages must be given")
+        return self
+
+
+class TokenLogprob(_Model):
+    token_id: int
+    token: str
+    logprob: float | None  # None where the engine gave -inf
+    top: list[tuple[int, str, float | None]] = Field(default_factory=list)
+
+
+class _Event(_Model):
+    v: int = PROTOCOL_VERSION
+    request_id: str
+    seq: int = Field(ge=0)  # per request and attempt: 0, 1, 2, ... so a client can see a gap
+    attempt: int = Field(1, ge=1)  # > 1 when a replica re-runs a request whose replica died
+
+
+class TokenEvent(_Event):
+    type: Literal["token"] = "token"
+    index: int = 0  # which of the n outputs
+    text_delta: str
+    token_ids: list[int]
+    reset: bool = False  # the output was rewritten (beam search): text_delta/token_ids are the whole output
+    logprobs: list[TokenLogprob] | None = None
+    spec: list[Literal["accepted", "resampled", "bonus"]] | None = None  # speculative decoding marks
+
+
+class Completion(_Model):
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    cumulative_logprob: float | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+
+class Metrics(_Model):
+    replica: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    queue_s: float | None = None  # created -> picked up by a replica
+    ttft_s: float | None = None  # created -> first token
+    tpot_s: float | None = None  # mean time per output token after the first
+    e2e_s: float | None = None  # created -> done
+
+
+class DoneEvent(_Event):
+    type: Literal["done"] = "done"
+    finish_reason: str | None  # of output 0: "stop", "length", "cancelled", ...
+    text: str  # full text of output 0
+    outputs: list[Completion]
+    metrics: Metrics = Field(default_factory=Metrics)
+
+
+class ErrorEvent(_Event):
+    type: Literal["error"] = "error"
+    code: ErrorCode
+    message: str
+
+
+Event = Annotated[TokenEvent | DoneEvent | ErrorEvent, Field(discriminator="type")]
+TerminalEvent = DoneEvent | ErrorEvent
+_event_adapter: TypeAdapter[Event] = TypeAdapter(Event)
+
+
+def encode(model: BaseModel) -> str:
+    return model.model_dump_json()
+
+
+def decode_event(data: str | bytes) -> TokenEvent | DoneEvent | ErrorEvent:
+    """Parse one event; raises pydantic.ValidationError on anything malformed."""
+    return _event_adapter.validate_json(data)
+
+
+def decode_request(data: str | bytes) -> GenerationRequest:
+    return GenerationRequest.model_validate_json(data)
