@@ -1,0 +1,307 @@
+"""`decodelab engine`: one replica (engine + Redis worker) and its HTTP API (health, metrics, OpenAI)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from redis.exceptions import RedisError
+
+from engine_service.sampling_params import SamplingParams
+from engine_service.worker import Worker, WorkerConfig, WorkerMetrics
+from shared.client import EngineClient, QueueFull, TextAccumulator
+from shared.keys import Keys
+from shared.openai_schema import (ChatBody, CompletionBody, chat_chunk, chat_logprobs, chat_response, completion_chunk,
+                                  completion_logprobs, completion_response, error_body)
+from shared.protocol import DoneEvent, ErrorEvent, GenerationRequest, TokenEvent
+
+log = logging.getLogger("decodelab.api")
+STATUS_BY_CODE = {"invalid_request": 400, "unsupported_version": 400, "queue_full": 429, "deadline_exceeded": 504,
+                  "timeout": 504, "unavailable": 503, "lost": 503, "engine_error": 500}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.code = status, message, type_, code
+
+
+@dataclass
+class ServiceState:
+    model_name: str
+    client: EngineClient
+    registry: CollectorRegistry
+    api_key: str | None = None
+    default_max_tokens: int = 256
+    request_timeout: float = 600.0
+    worker: Worker | None = None  # set once the model is loaded
+    load_error: str | None = None
+    started_at: float = field(default_factory=time.time)
+
+
+class EngineCollector:
+    """Engine and queue gauges, read from the worker's latest stats snapshot at scrape time."""
+
+    def __init__(self, state: ServiceState):
+        self.state = state
+
+    def collect(self):
+        worker = self.state.worker
+        if worker is None:
+            return
+        st = worker.stats
+        blocks = GaugeMetricFamily("decodelab_kv_blocks", "KV cache blocks by state", labels=["state"])
+        for state in ("total", "used", "shared", "cached", "free"):
+            blocks.add_metric([state], st.get(f"blocks_{state}", 0))
+        yield blocks
+        queries, hits = st.get("prefix_queries", 0), st.get("prefix_hits", 0)
+        yield CounterMetricFamily("decodelab_prefix_cache_queries", "Prefix-cache block lookups", value=queries)
+        yield CounterMetricFamily("decodelab_prefix_cache_hits", "Prefix-cache block hits", value=hits)
+        yield GaugeMetricFamily("decodelab_prefix_cache_hit_rate", "hits / queries", value=hits / queries if queries else 0)
+        yield CounterMetricFamily("decodelab_preemptions", "Sequences preempted", value=st.get("preemptions", 0))
+        yield CounterMetricFamily("decodelab_cow_copies", "Copy-on-write block copies", value=st.get("cow_copies", 0))
+        proposed, accepted = st.get("spec_proposed"), st.get("spec_accepted")
+        if proposed is not None and accepted is not None:
+            yield CounterMetricFamily("decodelab_spec_proposed_tokens", "Draft tokens proposed", value=proposed)
+            yield CounterMetricFamily("decodelab_spec_accepted_tokens", "Draft tokens accepted", value=accepted)
+            yield GaugeMetricFamily("decodelab_spec_acceptance_rate", "accepted / proposed",
+                                    value=accepted / proposed if proposed else 0)
+        yield GaugeMetricFamily("decodelab_num_running", "Sequences running in the batch", value=st.get("num_running", 0))
+        yield GaugeMetricFamily("decodelab_num_waiting", "Requests waiting inside the engine", value=st.get("num_waiting", 0))
+        yield GaugeMetricFamily("decodelab_replica_requests", "Requests held by this replica", value=len(worker.jobs))
+        yield GaugeMetricFamily("decodelab_queue_length", "Requests waiting in the Redis stream for any replica",
+                                value=worker.queue_length)
+
+
+def create_app(state: ServiceState) -> FastAPI:
+    app = FastAPI(title="DecodeLab engine", version="1")
+    app.state.service = state
+    state.registry.register(EngineCollector(state))
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(error_body(e.message, e.type, e.code), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        parts = [f"{'.'.join(str(x) for x in err['loc'][1:]) or 'body'}: {err['msg']}" for err in e.errors()[:5]]
+        return JSONResponse(error_body("; ".join(parts), "invalid_request_error"), status_code=400)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if state.api_key and request.url.path.startswith("/v1/"):
+            given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+            if not hmac.compare_digest(given.encode(), state.api_key.encode()):
+                return JSONResponse(error_body("invalid API key", "authentication_error"), status_code=401)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "uptime_s": round(time.time() - state.started_at, 1)}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        redis_ok = True
+        try:
+            await asyncio.wait_for(state.client.redis.ping(), 2.0)
+        except (RedisError, OSError, asyncio.TimeoutError):
+            redis_ok = False
+        body = {"model_loaded": state.worker is not None, "redis": redis_ok, "model": state.model_name,
+                "load_error": state.load_error}
+        return JSONResponse(body, status_code=200 if state.worker is not None and redis_ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": int(state.started_at),
+                                            "owned_by": "decodelab"}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionBody):
+        return await _serve(state, body, body.to_request(), chat=False, want_logprobs=body.logprobs is not None)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatBody):
+        return await _serve(state, body, body.to_request(state.default_max_tokens), chat=True,
+                            want_logprobs=body.logprobs)
+
+    return app
+
+
+def _check(state: ServiceState, body, request: GenerationRequest) -> None:
+    if body.model != state.model_name:
+        raise APIError(404, f"model {body.model!r} does not exist; this service serves {state.model_name!r}",
+                       code="model_not_found")
+    try:  # the engine's own rules (mode/n/beam combinations, ...) before anything is queued
+        SamplingParams(**request.params.model_dump())
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+
+
+async def _serve(state: ServiceState, body, request: GenerationRequest, chat: bool, want_logprobs: bool):
+    _check(state, body, request)
+    client = state.client
+    try:
+        sub = await client.submit(request)
+    except QueueFull as e:
+        raise APIError(429, str(e), "rate_limit_error", "queue_full") from None
+    except (RedisError, OSError) as e:
+        raise APIError(503, f"Redis unavailable: {e}", "service_unavailable") from None
+    rid, model = request.request_id, body.model
+    if not body.stream:
+        finished = False
+        try:
+            async for ev in client.stream(sub, state.request_timeout):
+                if isinstance(ev, (DoneEvent, ErrorEvent)):
+                    finished = True
+                    _raise_on_error(ev)
+                    build = chat_response if chat else completion_response
+                    return build(rid, model, ev, want_logprobs)
+        finally:
+            if not finished:  # the HTTP client went away: stop the generation
+                with anyio.CancelScope(shield=True):
+                    await client.cancel(rid)
+    return StreamingResponse(_sse(state, sub, rid, model, chat, want_logprobs), media_type="text/event-stream")
+
+
+def _raise_on_error(ev) -> None:
+    if isinstance(ev, ErrorEvent):
+        status = STATUS_BY_CODE.get(ev.code, 500)
+        raise APIError(status, ev.message, "invalid_request_error" if status < 500 else "server_error", ev.code)
+
+
+async def _sse(state: ServiceState, sub, rid: str, model: str, chat: bool, want_logprobs: bool) -> AsyncIterator[str]:
+    def data(obj: dict) -> str:
+        return f"data: {json.dumps(obj)}\n\n"
+
+    text = TextAccumulator()
+    started: set[int] = set()
+    finished = False
+
+    def chunk(index: int, delta: str, finish: str | None = None, logprobs=None) -> str:
+        if chat:
+            d = {"content": delta} if delta or finish is None else {}
+            if index not in started:
+                started.add(index)
+                d = {"role": "assistant", **d}
+            lp = chat_logprobs(logprobs) if want_logprobs and logprobs else None
+            return data(chat_chunk(rid, model, index, d, finish, lp))
+        lp = completion_logprobs(logprobs) if want_logprobs and logprobs else None
+        return data(completion_chunk(rid, model, index, delta, finish, lp))
+
+    try:
+        async for ev in state.client.stream(sub, state.request_timeout):
+            if isinstance(ev, TokenEvent):
+                delta = text.feed(ev)
+                if delta:
+                    yield chunk(ev.index, delta, logprobs=None if ev.reset else ev.logprobs)
+            elif isinstance(ev, DoneEvent):
+                finished = True
+                for c in ev.outputs:
+                    yield chunk(c.index, text.final(c.index, c.text), c.finish_reason)
+            else:
+                finished = True
+                yield data(error_body(ev.message, "server_error", ev.code))
+        yield "data: [DONE]\n\n"
+    finally:
+        if not finished:  # closed HTTP stream: cancel, shielded from the cancellation that got us here
+            with anyio.CancelScope(shield=True):
+                try:
+                    await state.client.cancel(rid)
+                except (RedisError, OSError):
+                    pass
+
+
+# ---- the `decodelab engine` command (engine options come from cli.add_engine_args)
+def add_engine_parser(subparsers, add_engine_args) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("engine", help="run one engine replica: Redis worker + HTTP API (OpenAI, metrics)")
+    add_engine_args(p)
+    add_service_args(p)
+    p.set_defaults(func=run_engine)
+    return p
+
+
+def add_service_args(p: argparse.ArgumentParser) -> None:
+    env = os.environ.get
+    p.add_argument("--served-model-name", default=None, help="model id in the OpenAI API (default: --model)")
+    p.add_argument("--redis-url", default=env("REDIS_URL"), help="default: $REDIS_URL")
+    p.add_argument("--host", default=env("DECODELAB_HOST", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=int(env("DECODELAB_ENGINE_PORT", 8000)))
+    p.add_argument("--api-key", default=env("DECODELAB_API_KEY") or None, help="default: $DECODELAB_API_KEY")
+    p.add_argument("--replica-name", default=None)
+    p.add_argument("--claim-idle", type=float, default=float(env("DECODELAB_CLAIM_IDLE_S", 10.0)),
+                   help="seconds before a dead replica's request is re-run elsewhere")
+    p.add_argument("--max-queue", type=int, default=int(env("DECODELAB_MAX_QUEUE", 256)),
+                   help="requests waiting in Redis beyond which new ones are refused")
+    p.add_argument("--default-max-tokens", type=int, default=256, help="chat completions without max_tokens")
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="on shutdown, seconds to finish running requests")
+    p.add_argument("--log-level", default=env("DECODELAB_LOG_LEVEL", "info"))
+
+
+def _load(state: ServiceState, args, metrics: WorkerMetrics, server) -> None:
+    from engine_service.cli import engine_config_from_args
+    from engine_service.llm_engine import LLMEngine
+
+    try:
+        engine = LLMEngine(engine_config_from_args(args))
+        cfg = WorkerConfig(args.redis_url, keys=state.client.keys, model_name=state.model_name,
+                           claim_idle_s=args.claim_idle)
+        if args.replica_name:
+            cfg.name = args.replica_name
+        state.worker = Worker(engine, cfg, metrics).start()
+        log.info("replica %s ready: model %s", cfg.name, state.model_name)
+    except Exception as e:
+        log.exception("model load failed")
+        state.load_error = f"{type(e).__name__}: {e}"
+        server.should_exit = True
+
+
+def run_engine(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if not args.redis_url:
+        raise SystemExit("decodelab engine: no Redis; pass --redis-url or set REDIS_URL (or use `decodelab play`)")
+    registry = CollectorRegistry()
+    client = EngineClient(args.redis_url, Keys.from_env(), max_queue=args.max_queue)
+    state = ServiceState(model_name=args.served_model_name or args.model, client=client, registry=registry,
+                         api_key=args.api_key, default_max_tokens=args.default_max_tokens)
+    app = create_app(state)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower()))
+    loader = threading.Thread(target=_load, args=(state, args, WorkerMetrics(registry), server), daemon=True)
+    loader.start()  # the API answers /health (and /ready = 503) while the model loads
+    server.run()  # returns on SIGINT / SIGTERM
+    if state.worker is not None:
+        if not state.worker.drain(args.drain_timeout):
+            log.warning("shutdown: %d requests unfinished; other replicas will re-run them", len(state.worker.jobs))
+        state.worker.stop()
+    return 0 if state.load_error is None else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    from engine_service.cli import add_engine_args
+
+    parser = argparse.ArgumentParser(prog="decodelab engine")
+    add_engine_args(parser)
+    add_service_args(parser)
+    return run_engine(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
