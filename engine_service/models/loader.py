@@ -51,6 +51,7 @@ def _cached_conversion(target: Path, locate_gguf) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     tmp.chmod(0o755)
     try:
+        _progress(f"{target.name}: not cached yet, locating its GGUF (chunked models are assembled and verified)")
         _convert_gguf(locate_gguf(tmp), tmp)
         try:
             tmp.rename(target)
@@ -69,7 +70,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     start = time.perf_counter()
 
     def step(msg: str) -> None:
-        print(f"[decodelab] {time.perf_counter() - start:5.1f}s {msg}", file=sys.stderr, flush=True)
+        _progress(f"{time.perf_counter() - start:5.1f}s {msg}")
 
     step(f"loading GGUF {gguf} (one-time conversion to {out.parent}) ...")
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -85,6 +86,10 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     if gguf.parent == out:
         gguf.unlink()  # an assembled chunked GGUF is only needed for the conversion
     step("done")
+
+
+def _progress(msg: str) -> None:
+    print(f"[decodelab] {msg}", file=sys.stderr, flush=True)
 
 
 def load_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
