@@ -1,18 +1,18 @@
 # Attention / KV-cache kernels: a torch reference (the CPU path) and a Triton kernel per file.
 # Never imports engine_service: the engine depends on kernels, not the other way round.
-import importlib.util
-
-from kernels.copy_blocks import copy_blocks_torch
-from kernels.paged_decode_attention import paged_decode_attention_torch
-from kernels.prefill_attention import prefill_attention_torch
-from kernels.store_kvcache import store_kvcache_torch
+from kernels._triton import HAS_TRITON
+from kernels.copy_blocks import copy_blocks_torch, copy_blocks_triton
+from kernels.paged_decode_attention import paged_decode_attention_torch, paged_decode_attention_triton
+from kernels.prefill_attention import prefill_attention_torch, prefill_attention_triton
+from kernels.store_kvcache import store_kvcache_torch, store_kvcache_triton
 
 
 def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    return HAS_TRITON
 
 
 __all__ = [
-    "copy_blocks_torch", "paged_decode_attention_torch", "prefill_attention_torch", "store_kvcache_torch",
+    "copy_blocks_torch", "copy_blocks_triton", "paged_decode_attention_torch", "paged_decode_attention_triton",
+    "prefill_attention_torch", "prefill_attention_triton", "store_kvcache_torch", "store_kvcache_triton",
     "triton_available",
 ]

@@ -1,6 +1,7 @@
 import torch
 import torch.nn.functional as F
 
+from kernels._triton import dot_upcast, require_triton, tl, triton
 from kernels._workspace import gather_blocks
 
 # Sequences are sorted by context length and attended in padded groups of this many. Measured on
@@ -37,4 +38,111 @@ def paged_decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache
         idx = order[i * _GROUP:(i + 1) * _GROUP]
         out[idx] = _decode_group(q[idx], k_cache, v_cache, block_tables[idx], lens[i * _GROUP:(i + 1) * _GROUP],
                                  scale, max_len)
+    return out
+
+
+# ---- Triton: split-K (flash-decoding). Phase 1 writes one unnormalised partial per (seq, head, split);
+# phase 2 merges the splits of each (seq, head) with their log-sum-exp weights.
+_BLOCK_N = 64          # context tokens per inner iteration (tl.dot needs >= 16)
+_MIN_SPLIT_TOKENS = 128
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, acc_ptr, m_ptr, l_ptr, qk_scale,
+                         stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_btb,
+                         num_heads, num_splits, split_len,
+                         G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_G: tl.constexpr,
+                         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+    # grid (B, Hkv, splits): the G query heads sharing a KV head are one tl.dot tile, so K/V are read once
+    b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    ctx = tl.load(lens_ptr + b)
+    start = split * split_len
+    end = tl.minimum(start + split_len, ctx)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kvh * G + g
+    qmask = (g[:, None] < G) & (d[None, :] < D)
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=qmask, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max, log2 domain
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for t0 in range(start, end, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        tmask = t < end
+        blk = tl.load(bt_ptr + b * stride_btb + t // PAGE, mask=tmask, other=0).to(tl.int64)
+        row = blk * stride_kb + (t % PAGE) * stride_kt + kvh * stride_kh
+        kv_mask = tmask[:, None] & (d[None, :] < D)
+        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        s = tl.where(tmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+    # an empty split (start >= ctx) stores m = -inf, l = 0, acc = 0: weight 0 in the merge
+    part = (b * num_heads + heads) * num_splits + split
+    tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=qmask)
+    tl.store(m_ptr + part, m_i, mask=g < G)
+    tl.store(l_ptr + part, l_i, mask=g < G)
+
+
+@triton.jit
+def _decode_reduce_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, stride_ob, stride_oh, num_heads, num_splits,
+                          D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    # grid (B, H)
+    b, h = tl.program_id(0), tl.program_id(1)
+    sp = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    smask = sp < num_splits
+    part = (b * num_heads + h) * num_splits + sp
+    m = tl.load(m_ptr + part, mask=smask, other=float("-inf"))
+    l = tl.load(l_ptr + part, mask=smask, other=0.0)
+    acc = tl.load(acc_ptr + part[:, None] * D + d[None, :], mask=smask[:, None] & (d[None, :] < D), other=0.0)
+    w = tl.exp2(m - tl.max(m, 0))  # split 0 is never empty (context_len >= 1), so the max is finite
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+def _pick_splits(q: torch.Tensor, num_kv_heads: int, max_ctx: int) -> int:
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
+    wanted = triton.cdiv(2 * sms, q.shape[0] * num_kv_heads)  # ~2 programs per SM
+    return max(1, min(wanted, triton.cdiv(max_ctx, _MIN_SPLIT_TOKENS)))
+
+
+def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                                  *, num_splits: int | None = None) -> torch.Tensor:
+    require_triton()
+    b, h, d = q.shape
+    _, page, hkv, _ = k_cache.shape
+    assert h % hkv == 0 and k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(2) == 1
+    assert q.dtype == k_cache.dtype == v_cache.dtype and d >= 16, "tl.dot needs one dtype and K >= 16"
+    assert block_tables.shape[0] == context_lens.shape[0] == b and block_tables.stride(1) == 1
+    out = torch.empty_like(q)
+    if b == 0:
+        return out
+    max_ctx = block_tables.shape[1] * page  # an upper bound that needs no host sync
+    splits = num_splits or _pick_splits(q, hkv, max_ctx)
+    split_len = triton.cdiv(triton.cdiv(max_ctx, splits), _BLOCK_N) * _BLOCK_N
+    splits = triton.cdiv(max_ctx, split_len)
+    acc = torch.empty((b, h, splits, d), dtype=torch.float32, device=q.device)
+    m = torch.empty((b, h, splits), dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    g = h // hkv
+    _decode_split_kernel[(b, hkv, splits)](
+        q, k_cache, v_cache, block_tables, context_lens, acc, m, l, scale * _LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        h, splits, split_len, G=g, D=d, PAGE=page, BLOCK_G=max(16, triton.next_power_of_2(g)),
+        BLOCK_D=triton.next_power_of_2(d), BLOCK_N=_BLOCK_N, UPCAST=dot_upcast(q.dtype))
+    _decode_reduce_kernel[(b, h)](acc, m, l, out, out.stride(0), out.stride(1), h, splits,
+                                  D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_S=triton.next_power_of_2(splits))
     return out
