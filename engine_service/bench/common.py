@@ -1,0 +1,58 @@
+"""Shared pieces of the benchmarks: workloads, the CPU's matmul peak, JSON + plot output."""
+import json
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    max_tokens: list[int]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.max_tokens)
+
+
+def mixed_workload(num_requests: int, vocab_size: int, seed: int = 0, prompt_range=(16, 512),
+                   mean_output: float = 100, output_range=(8, 512)) -> Workload:
+    """Traffic-shaped: uniform prompt lengths, exponential output lengths (clipped), fixed seed."""
+    rng = random.Random(seed)
+    prompts, max_tokens = [], []
+    for _ in range(num_requests):
+        length = rng.randint(*prompt_range)
+        prompts.append([rng.randrange(100, vocab_size) for _ in range(length)])
+        out = int(round(rng.expovariate(1 / mean_output)))
+        max_tokens.append(min(max(out, output_range[0]), output_range[1]))
+    return Workload(prompts, max_tokens)
+
+
+def matmul_peak_gflops(n: int = 2048, repeats: int = 5) -> float:
+    """Best-of fp32 GEMM rate on this machine with the current torch threads (the roofline's roof)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = math.inf
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * n ** 3 / best / 1e9
+
+
+def write_results(name: str, results: dict, out_dir: str | Path) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    path.write_text(json.dumps(results, indent=2))
+    return path
+
+
+def median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2

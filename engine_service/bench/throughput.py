@@ -1,0 +1,148 @@
+"""`decodelab bench throughput`: offline throughput on a traffic-shaped workload, against HF
+static batches and HF continuous batching, plus the compute roofline, single-stream decode and
+KV-slot waste. Writes benchmarks/results/throughput.json and throughput.png."""
+import platform
+import time
+
+import torch
+
+from engine_service.bench.common import matmul_peak_gflops, median, mixed_workload, write_results
+from engine_service.sampling_params import SamplingParams
+
+
+def add_parser(bench_sub, add_engine_args) -> None:
+    p = bench_sub.add_parser("throughput", help="offline throughput vs HF generate / generate_batch")
+    add_engine_args(p)
+    p.add_argument("--num-requests", type=int, default=128)
+    p.add_argument("--hf-batch-size", type=int, default=32)
+    p.add_argument("--skip-hf", action="store_true", help="only measure our engine")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="benchmarks/results")
+    p.set_defaults(func=run)
+
+
+def run_engine(llm, work) -> dict:
+    """All requests at once; samples KV slot usage after every step."""
+    engine, bs = llm.engine, llm.engine.config.block_size
+    for i, (prompt, out) in enumerate(zip(work.prompts, work.max_tokens)):
+        engine.add_request(f"bench-{i}", prompt, SamplingParams(temperature=0, ignore_eos=True, max_tokens=out))
+    paged, contiguous, filled_total, steps = 0, 0, 0, 0
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+        running = engine.scheduler.running
+        filled = sum(s.num_computed_tokens for s in running)
+        paged += sum(len(s.block_table) for s in running) * bs
+        contiguous += sum(s.num_prompt_tokens + s.request.params.max_tokens for s in running)
+        filled_total += filled
+        steps += 1
+    elapsed = time.perf_counter() - start
+    return {"seconds": elapsed, "tok_per_s": work.output_tokens / elapsed, "steps": steps,
+            "kv_waste_paged": 1 - filled_total / max(paged, 1),
+            "kv_waste_contiguous_request_max": 1 - filled_total / max(contiguous, 1),
+            "preemptions": engine.scheduler.num_preemptions}
+
+
+def single_stream(llm, prompt_len: int = 32, new_tokens: int = 128) -> dict:
+    tpots = []
+    for r in range(3):
+        out = llm.generate({"prompt_token_ids": list(range(100 + r, 100 + r + prompt_len))},
+                           SamplingParams(temperature=0, ignore_eos=True, max_tokens=new_tokens))[0]
+        tpots.append(out.metrics.tpot)
+    return {"tok_per_s": 1 / median(tpots), "tpot_ms": median(tpots) * 1e3, "runs": len(tpots)}
+
+
+def matmul_flops_per_token(model) -> int:
+    """2 x the weights every decode token multiplies (all linears + the LM head)."""
+    n = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    return 2 * (n + model.config.vocab_size * model.config.hidden_size * (model.lm_head is None))
+
+
+def batched_decode(llm, batch: int, context: int, steps: int = 8) -> dict:
+    """Steady-state decode steps of `batch` sequences at ~`context` tokens: FLOP rate vs the roof."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=steps + 4)
+    for i in range(batch):
+        engine.add_request(f"roof-{i}", [100 + (i + j) % 5000 for j in range(context)], params)
+    while any(s.num_computed_tokens < s.num_tokens - 1 for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()  # prefill everything
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    while engine.has_unfinished():
+        engine.step()
+    cfg, model = engine.runner.hf_config, engine.runner.model
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    attn = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * (context + steps // 2)
+    flops = batch * (matmul_flops_per_token(model) + attn)
+    step = median(times)
+    return {"batch": batch, "context": context, "step_ms": step * 1e3, "gflops": flops / step / 1e9,
+            "tok_per_s": batch / step}
+
+
+def run(args) -> int:
+    from engine_service.cli import engine_config_from_args
+    from engine_service.llm import LLM
+
+    llm = LLM(config=engine_config_from_args(args))
+    vocab = llm.engine.vocab_size
+    work = mixed_workload(args.num_requests, vocab, seed=args.seed)
+    res = {"model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(),
+           "machine": f"{platform.processor() or platform.machine()} x{torch.get_num_threads()} threads",
+           "workload": {"requests": len(work.prompts), "prompt_tokens": sum(map(len, work.prompts)),
+                        "output_tokens": work.output_tokens}}
+    res["peak_gflops"] = matmul_peak_gflops()
+    print(f"fp32 matmul peak: {res['peak_gflops']:.1f} GFLOP/s", flush=True)
+    llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=4))  # warm-up
+    res["ours"] = run_engine(llm, work)
+    print(f"ours: {res['ours']['tok_per_s']:.1f} tok/s", flush=True)
+    res["single_stream"] = single_stream(llm)
+    print(f"single stream: {res['single_stream']['tok_per_s']:.1f} tok/s", flush=True)
+    res["batched_decode"] = batched_decode(llm, batch=min(128, args.max_num_seqs), context=256)
+    res["batched_decode"]["roofline_fraction"] = res["batched_decode"]["gflops"] / res["peak_gflops"]
+    print(f"batched decode: {res['batched_decode']}", flush=True)
+    if not args.skip_hf:
+        from engine_service.bench.hf_baselines import hf_continuous, hf_static, load_hf
+        from engine_service.models.loader import resolve_model
+
+        del llm  # give the memory back before HF loads its copy
+        hf = load_hf(resolve_model(args.model))
+        res["hf_static"] = hf_static(hf, work, args.hf_batch_size)
+        print(f"hf static: {res['hf_static']['tok_per_s']:.1f} tok/s", flush=True)
+        res["hf_continuous"] = hf_continuous(hf, work)
+        print(f"hf continuous: {res['hf_continuous']['tok_per_s']:.1f} tok/s", flush=True)
+        ours = res["ours"]["tok_per_s"]
+        res["ratios"] = {
+            "vs_hf_static": ours / res["hf_static"]["tok_per_s"],
+            "vs_hf_static_ideal": 1 / res["hf_static"]["useful_fraction"],
+            "vs_hf_continuous": ours / res["hf_continuous"]["tok_per_s"],
+        }
+    path = write_results("throughput", res, args.out)
+    plot(res, path.with_suffix(".png"))
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+    return 0
+
+
+def plot(res: dict, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    names = ["DecodeLab"] + [n for n in ("hf_static", "hf_continuous") if n in res]
+    vals = [res["ours"]["tok_per_s"]] + [res[n]["tok_per_s"] for n in names[1:]]
+    labels = ["DecodeLab", "HF generate\n(static batches)", "HF generate_batch\n(continuous)"][:len(names)]
+    a.bar(labels, vals, color=["tab:green", "tab:gray", "tab:blue"][:len(names)])
+    a.set_ylabel("generated tok/s")
+    a.set_title(f"{res['model']} {res['dtype']}, {res['workload']['requests']} requests")
+    for i, v in enumerate(vals):
+        a.text(i, v, f"{v:.0f}", ha="center", va="bottom")
+    waste = [res["ours"]["kv_waste_paged"], res["ours"]["kv_waste_contiguous_request_max"]]
+    b.bar(["paged (ours)", "contiguous\n(prompt + max_tokens)"], [100 * w for w in waste], color=["tab:green", "tab:gray"])
+    b.set_ylabel("KV slots allocated but unused (%)")
+    b.set_title("KV waste, time-averaged")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
