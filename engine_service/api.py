@@ -10,13 +10,14 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from redis.exceptions import RedisError
 
@@ -29,6 +30,7 @@ from shared.openai_schema import (ChatBody, CompletionBody, chat_chunk, chat_log
 from shared.protocol import DoneEvent, ErrorEvent, GenerationRequest, TokenEvent
 
 log = logging.getLogger("decodelab.api")
+disable_created_metrics()
 STATUS_BY_CODE = {"invalid_request": 400, "unsupported_version": 400, "queue_full": 429, "deadline_exceeded": 504,
                   "timeout": 504, "unavailable": 503, "lost": 503, "engine_error": 500}
 
@@ -47,6 +49,7 @@ class ServiceState:
     api_key: str | None = None
     default_max_tokens: int = 256
     request_timeout: float = 600.0
+    drain_timeout: float = 30.0
     worker: Worker | None = None  # set once the model is loaded
     load_error: str | None = None
     started_at: float = field(default_factory=time.time)
@@ -87,7 +90,17 @@ class EngineCollector:
 
 
 def create_app(state: ServiceState) -> FastAPI:
-    app = FastAPI(title="DecodeLab engine", version="1")
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        # Shutdown (after open HTTP streams ended): stop pulling, let running requests finish, stop.
+        if (worker := state.worker) is not None:
+            if not await anyio.to_thread.run_sync(worker.drain, state.drain_timeout):
+                log.warning("shutdown: %d requests unfinished; other replicas will re-run them", len(worker.jobs))
+            await anyio.to_thread.run_sync(worker.stop)
+        await state.client.close()
+
+    app = FastAPI(title="DecodeLab engine", version="1", lifespan=lifespan)
     app.state.service = state
     state.registry.register(EngineCollector(state))
 
@@ -281,16 +294,13 @@ def run_engine(args: argparse.Namespace) -> int:
     registry = CollectorRegistry()
     client = EngineClient(args.redis_url, Keys.from_env(), max_queue=args.max_queue)
     state = ServiceState(model_name=args.served_model_name or args.model, client=client, registry=registry,
-                         api_key=args.api_key, default_max_tokens=args.default_max_tokens)
+                         api_key=args.api_key, default_max_tokens=args.default_max_tokens,
+                         drain_timeout=args.drain_timeout)
     app = create_app(state)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower()))
     loader = threading.Thread(target=_load, args=(state, args, WorkerMetrics(registry), server), daemon=True)
     loader.start()  # the API answers /health (and /ready = 503) while the model loads
-    server.run()  # returns on SIGINT / SIGTERM
-    if state.worker is not None:
-        if not state.worker.drain(args.drain_timeout):
-            log.warning("shutdown: %d requests unfinished; other replicas will re-run them", len(state.worker.jobs))
-        state.worker.stop()
+    server.run()  # on SIGINT / SIGTERM the app's lifespan drains the worker
     return 0 if state.load_error is None else 1
 
 

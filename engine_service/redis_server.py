@@ -19,6 +19,16 @@ def redis_server_binary() -> str:
     return REDIS_SERVER_PATH
 
 
+def die_with_parent() -> None:
+    """preexec_fn: on Linux, SIGTERM the child when its parent dies (no orphans even after kill -9)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -61,7 +71,8 @@ class RedisServer:
         ]) + "\n"
         self.proc = subprocess.Popen(
             [redis_server_binary(), "-"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL, start_new_session=True, text=True)
+            stderr=subprocess.DEVNULL, start_new_session=True, text=True,
+            preexec_fn=die_with_parent)
         self.proc.stdin.write(config)
         self.proc.stdin.close()
         self._wait_ready(timeout)

@@ -70,6 +70,7 @@ class WorkerConfig:
     read_block_ms: int = 100
     expected_tokens: int = 256  # per-request KV estimate (prompt + output) when deciding how much to pull
     max_pull: int = 16  # most entries taken in one read
+    stats_interval_s: float = 0.25  # engine.stats() refresh (capacity, /metrics); it walks every KV block
 
     @property
     def heartbeat_s(self) -> float:
@@ -213,7 +214,7 @@ class Worker:
                 for out in outputs:
                     if (job := self.jobs.get(out.request_id)) is not None:
                         self._on_output(job, out, now)
-            if time.monotonic() - self._stats_at > 0.05:
+            if time.monotonic() - self._stats_at > self.cfg.stats_interval_s:
                 self.stats, self._stats_at = self.engine.stats(), time.monotonic()
 
     def _handle_control(self, op: str, job: Job) -> None:
