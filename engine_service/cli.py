@@ -34,8 +34,9 @@ def sampling_params_from_args(args):
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="registry name, HF model directory or .gguf path")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                   help="default: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--kv-cache-memory", type=float, default=0.25, help="bytes, or a fraction (<= 1) of free memory")
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)

@@ -5,8 +5,8 @@ from dataclasses import dataclass
 @dataclass
 class EngineConfig:
     model: str = "smollm2-135m"
-    dtype: str = "float32"
-    device: str = "cpu"
+    dtype: str | None = None  # default: float32 on CPU (no fast bf16 matmul there), bfloat16 on CUDA
+    device: str = "auto"  # "auto" picks cuda when a GPU is visible
     block_size: int = 16
     # KV pool budget: bytes (> 1) or a fraction of free memory (<= 1)
     kv_cache_memory: float = 0.25
@@ -23,6 +23,12 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.device == "auto":
+            import torch
+
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.dtype is None:
+            self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
         if self.attention_backend is None:
             default = "triton" if self.device.startswith("cuda") else "torch"
             self.attention_backend = os.environ.get("DECODELAB_ATTENTION_BACKEND", default)

@@ -89,7 +89,7 @@ def run(args) -> int:
     llm = LLM(config=engine_config_from_args(args))
     vocab = llm.engine.vocab_size
     work = mixed_workload(args.num_requests, vocab, seed=args.seed)
-    res = {"model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(),
+    res = {"model": args.model, "dtype": llm.engine.config.dtype, "threads": torch.get_num_threads(),
            "machine": f"{platform.processor() or platform.machine()} x{torch.get_num_threads()} threads",
            "workload": {"requests": len(work.prompts), "prompt_tokens": sum(map(len, work.prompts)),
                         "output_tokens": work.output_tokens}}
