@@ -72,3 +72,18 @@ def test_decode_torch_handles_half_precision_caches():
         k, v = cache.dense_kv(s)
         ref = naive_attention(q[s:s + 1], k, v, [n - 1], 0.25)
         torch.testing.assert_close(out[s:s + 1].double(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_decode_reads_back_what_store_wrote_through_the_slot_mapping():
+    # the layout contract between the two: slot = block_table[p // bs] * bs + p % bs
+    bs, lens, tables = 4, [6, 3], torch.tensor([[5, 1], [2, 0]], dtype=torch.int32)
+    k_cache, v_cache = torch.zeros(6, bs, 1, 16), torch.zeros(6, bs, 1, 16)
+    slots = torch.tensor([int(tables[s, p // bs]) * bs + p % bs for s, n in enumerate(lens) for p in range(n)])
+    key, value = torch.randn(9, 1, 16), torch.randn(9, 1, 16)
+    store_kvcache_torch(key, value, k_cache, v_cache, slots)  # no padding: the unmasked path
+    q = torch.randn(2, 2, 16)
+    out = paged_decode_attention_torch(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32), 0.25)
+    torch.testing.assert_close(out[0:1].double(), naive_attention(q[0:1], key[:6], value[:6], [5], 0.25),
+                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[1:2].double(), naive_attention(q[1:2], key[6:], value[6:], [2], 0.25),
+                               atol=1e-5, rtol=1e-5)
