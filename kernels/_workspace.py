@@ -1,16 +1,20 @@
+import threading
+
 import torch
 
 # Reused gather buffers for the torch paths. Freshly allocating the gathered K/V on every call costs
 # more than the gather itself on CPU (page faults on new memory): ~22 ms vs ~3 ms for 48 MB.
-_buffers: dict[tuple, torch.Tensor] = {}
+# Per thread, so two engines in two threads never share one.
+_local = threading.local()
 
 
 def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, name: str) -> torch.Tensor:
     # cache [num_blocks, block_size, Hkv, D], block_ids [n] int64 -> [n, block_size, Hkv, D]
-    # valid until the next call with the same name, dtype and device (single-threaded engine)
+    # valid until this thread's next call with the same name, dtype, device and block shape
+    buffers: dict[tuple, torch.Tensor] = _local.__dict__.setdefault("buffers", {})
     n = block_ids.numel()
     key = (name, cache.dtype, cache.device, cache.shape[1:])
-    buf = _buffers.get(key)
+    buf = buffers.get(key)
     if buf is None or buf.shape[0] < n:
-        buf = _buffers[key] = torch.empty((max(n, 64), *cache.shape[1:]), dtype=cache.dtype, device=cache.device)
+        buf = buffers[key] = torch.empty((max(n, 64), *cache.shape[1:]), dtype=cache.dtype, device=cache.device)
     return torch.index_select(cache, 0, block_ids, out=buf[:n])
