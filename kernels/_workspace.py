@@ -13,7 +13,8 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, name: str) -> to
     # valid until this thread's next call with the same name, dtype, device and block shape
     buffers: dict[tuple, torch.Tensor] = _local.__dict__.setdefault("buffers", {})
     n = block_ids.numel()
-    key = (name, cache.dtype, cache.device, cache.shape[1:])
+    # inference tensors can't be written outside inference mode (and vice versa): keep one buffer per mode
+    key = (name, cache.dtype, cache.device, cache.shape[1:], torch.is_inference_mode_enabled())
     buf = buffers.get(key)
     if buf is None or buf.shape[0] < n:
         buf = buffers[key] = torch.empty((max(n, 64), *cache.shape[1:]), dtype=cache.dtype, device=cache.device)
