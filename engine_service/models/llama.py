@@ -18,6 +18,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op; same math as HF's
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -67,10 +69,11 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        q = apply_rope(q.view(n, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        # q and k are adjacent in the fused projection: rotate them in one go
+        qk = apply_rope(qkv[:, :self.sizes[0] + self.sizes[1]].view(n, -1, self.head_dim), cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.sizes[0] + self.sizes[1]:].view(n, self.num_kv_heads, self.head_dim)
         o = self.attn(q, k, v, self.k_cache, self.v_cache, meta)
         return self.o_proj(o.reshape(n, -1))
 
