@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from pydantic import BaseModel, ValidationError
 from redis.exceptions import ResponseError
 
+from engine_service.kv_snapshot import kv_snapshot
 from engine_service.sampling_params import SamplingParams
 from shared.keys import Keys
 from shared.protocol import (PROTOCOL_VERSION, Completion, DoneEvent, ErrorEvent, GenerationRequest, Metrics,
@@ -71,6 +72,7 @@ class WorkerConfig:
     expected_tokens: int = 256  # per-request KV estimate (prompt + output) when deciding how much to pull
     max_pull: int = 16  # most entries taken in one read
     stats_interval_s: float = 0.25  # engine.stats() refresh (capacity, /metrics); it walks every KV block
+    kv_snapshot_ttl_s: float = 6.0  # the KV snapshot key (playground block map) outlives a stalled replica this long
 
     @property
     def heartbeat_s(self) -> float:
@@ -145,6 +147,8 @@ class Worker:
         self._threads: list[threading.Thread] = []
         self.stats: dict = engine.stats()
         self._stats_at = 0.0
+        self._kv_last: dict | None = None
+        self._kv_sent_at = 0.0
         self.max_batch = 0
         self.redis_ok = False
         self.queue_length = 0
@@ -216,6 +220,15 @@ class Worker:
                         self._on_output(job, out, now)
             if time.monotonic() - self._stats_at > self.cfg.stats_interval_s:
                 self.stats, self._stats_at = self.engine.stats(), time.monotonic()
+                self._snapshot_kv()
+
+    def _snapshot_kv(self) -> None:
+        """Queue the KV picture for Redis when it changed (else every 2 s, to keep the key alive)."""
+        snap = kv_snapshot(self.engine, self.cfg.name, self.cfg.model_name, self.stats)
+        body = snap.model_dump(exclude={"at"})
+        if body != self._kv_last or time.monotonic() - self._kv_sent_at > 2.0:
+            self._kv_last, self._kv_sent_at = body, time.monotonic()
+            self._outbox.put(("kv", self.keys.kv(self.cfg.name), encode(snap)))
 
     def _handle_control(self, op: str, job: Job) -> None:
         if op == "add":
@@ -437,6 +450,8 @@ class Worker:
                 for item in pending:
                     if item[0] == "publish":
                         pipe.publish(self.keys.events(item[1]), item[2])
+                    elif item[0] == "kv":
+                        pipe.set(item[1], item[2], px=int(self.cfg.kv_snapshot_ttl_s * 1000))
                     else:
                         _, rid, entry_id, payload = item
                         self._finish(keys=[self.keys.result(rid), self.keys.events(rid), self.keys.stream,

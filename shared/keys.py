@@ -44,3 +44,6 @@ class Keys:
 
     def replica(self, name: str) -> str:  # replica heartbeat: model name and load, with a TTL
         return f"{self.prefix}:replica:{name}"
+
+    def kv(self, name: str) -> str:  # replica's KV-cache snapshot (shared.monitor.KVSnapshot), with a TTL
+        return f"{self.prefix}:kv:{name}"
