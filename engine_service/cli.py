@@ -43,6 +43,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     p.add_argument("--draft-model", default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--threads", type=int, default=None)
@@ -55,7 +56,8 @@ def engine_config_from_args(args):
                         kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
                         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
-                        attention_backend=args.attention_backend, draft_model=args.draft_model,
+                        attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+                        draft_model=args.draft_model,
                         enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads)
 
 

@@ -16,6 +16,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's context length
     enable_prefix_caching: bool = True
     attention_backend: str | None = None  # "torch" | "triton"; default from env, else by device
+    enforce_eager: bool = False  # no CUDA graphs for decode steps (they need CUDA and the triton backend)
     max_beam_width: int = 8
     draft_model: str | None = None
     cache_dir: str | None = None

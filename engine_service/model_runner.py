@@ -6,6 +6,7 @@ import torch
 import kernels
 from engine_service.attention import AttentionMetadata
 from engine_service.config import EngineConfig
+from engine_service.cuda_graphs import decode_graphs_for
 from engine_service.models.llama import CausalLM
 from engine_service.models.loader import load_config, load_weights
 from engine_service.scheduler import ScheduledBatch
@@ -37,6 +38,7 @@ class ModelRunner:
         self.model = model.to(self.dtype).eval()
         self.num_blocks = config.num_kv_blocks or self._blocks_from_budget()
         self.kv_cache = self._allocate_kv_cache(self.num_blocks)
+        self.graphs = decode_graphs_for(self)  # CUDA graphs for decode-only steps; None on CPU / enforce_eager
 
     # ---- KV pool
     def kv_bytes_per_block(self) -> int:
@@ -112,13 +114,19 @@ class ModelRunner:
         positions = torch.tensor(pos, dtype=torch.int64, device=dev)
         return input_ids, positions, meta, last_row
 
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states of the flat batch: a captured CUDA graph when one fits, else the eager model."""
+        if self.graphs is not None and self.graphs.fits(input_ids.shape[0], meta):
+            return self.graphs.run(input_ids, positions, meta)
+        return self.model(input_ids, positions, meta)
+
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
         """Runs the batch; returns logits [num_sampled, vocab] (float32) and, per scheduled sequence,
         its row in those logits (-1 if it samples nothing this step)."""
         self.copy_blocks(batch.copies)
         input_ids, positions, meta, last_row = self.prepare(batch)
-        hidden = self.model(input_ids, positions, meta)
+        hidden = self.forward(input_ids, positions, meta)
         rows = [r for r in last_row if r >= 0]
         logits = self.model.compute_logits(hidden[rows]) if rows else hidden.new_empty(0, 0).float()
         index, k = [], 0
