@@ -91,11 +91,13 @@ class TextAccumulator:
 
 class EngineClient:
     def __init__(self, redis: aioredis.Redis | str, keys: Keys | None = None, *, max_queue: int | None = None,
-                 recover_after: float = 3.0, timeout: float = 600.0, result_ttl: int = 3600) -> None:
+                 recover_after: float = 3.0, lost_after: float = 5.0, timeout: float = 600.0,
+                 result_ttl: int = 3600) -> None:
         self.redis = aioredis.Redis.from_url(redis, decode_responses=True) if isinstance(redis, str) else redis
         self.keys = keys or Keys.from_env()
         self.max_queue = max_queue if max_queue is not None else int(os.environ.get("DECODELAB_MAX_QUEUE", 256))
         self.recover_after = recover_after  # silence after which the result key is checked
+        self.lost_after = lost_after  # how long a request may be unknown to Redis (no entry, no owner) before `lost`
         self.timeout = timeout  # default overall wait for one request
         self.cancel_ttl = result_ttl
         self._submit = self.redis.register_script(_SUBMIT)
@@ -133,18 +135,15 @@ class EngineClient:
             pipe.publish(self.keys.cancel_channel, request_id)
             await pipe.execute()
 
-    async def _recover(self, sub: Submission) -> TerminalEvent | None:
-        """The result if there is one; None while the request is queued or running; else a `lost` error."""
+    async def _recover(self, sub: Submission) -> TerminalEvent | bool:
+        """The result if there is one, else whether Redis still knows the request (queued or owned by a replica)."""
         rid = sub.request_id
         if (done := await self.result(rid)) is not None:
             return done
         if await self.redis.exists(self.keys.owner(rid)) or await self.redis.xrange(
                 self.keys.stream, sub.entry_id, sub.entry_id):
-            return None
-        if (done := await self.result(rid)) is not None:  # it may have finished between the checks
-            return done
-        return ErrorEvent(request_id=rid, seq=0, code="lost",
-                          message="the request is gone from Redis with no result (was Redis restarted?)")
+            return True
+        return await self.result(rid) or False  # it may have finished between the checks
 
     async def _resubscribe(self, sub: Submission, end: float) -> bool:
         delay = 0.1
@@ -170,7 +169,7 @@ class EngineClient:
         if sub.request.deadline is not None:  # the replica reports a missed deadline itself; this is a backstop
             end = min(end, time.monotonic() + max(0.0, sub.request.deadline - time.time()) + self.recover_after + 2)
         attempt, next_seq, gap = 0, 0, False
-        last_heard = time.monotonic()
+        last_heard, missing_since = time.monotonic(), None
         try:
             while True:
                 now = time.monotonic()
@@ -182,8 +181,16 @@ class EngineClient:
                 try:
                     if now - last_heard >= self.recover_after:
                         last_heard = now
-                        if (done := await self._recover(sub)) is not None:
-                            yield done
+                        known = await self._recover(sub)
+                        if not isinstance(known, bool):
+                            yield known
+                            return
+                        # Unknown: after a Redis restart the running replica re-registers within a heartbeat.
+                        missing_since = None if known else (missing_since or now)
+                        if missing_since is not None and now - missing_since >= self.lost_after:
+                            yield ErrorEvent(request_id=rid, seq=0, attempt=max(attempt, 1), code="lost",
+                                             message="the request is gone from Redis with no result "
+                                                     "(was Redis restarted without persistence?)")
                             return
                     msg = await sub.pubsub.get_message(ignore_subscribe_messages=True,
                                                        timeout=min(0.5, max(0.01, end - now)))
@@ -194,6 +201,7 @@ class EngineClient:
                         return
                     last_heard = 0.0  # check the result key at once
                     continue
+                await asyncio.sleep(0)  # buffered messages return at once: let other streams run too
                 if msg is None or msg.get("type") != "message":
                     continue
                 try:

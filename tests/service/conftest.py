@@ -18,7 +18,8 @@ from engine_service.redis_server import RedisServer, die_with_parent, free_port
 from shared.keys import Keys
 
 ROOT = Path(__file__).resolve().parents[2]
-ENGINE_KW = dict(num_kv_blocks=512, max_num_seqs=16, block_size=16)
+# Torch threads as OMP_NUM_THREADS says (the engine would otherwise take every core; 2 are shared here).
+ENGINE_KW = dict(num_kv_blocks=512, max_num_seqs=16, block_size=16, num_threads=int(os.environ.get("OMP_NUM_THREADS", 1)))
 
 
 def run(coro, timeout: float = 60.0):
@@ -75,9 +76,9 @@ def make_worker(engine, redis_server, keys):
 
     workers = []
 
-    def make(url: str | None = None, **kw):
+    def make(url: str | None = None, metrics=None, **kw):
         kw.setdefault("claim_idle_s", 2.0)
-        w = Worker(engine, WorkerConfig(url or redis_server.url, keys=keys, model_name="tiny", **kw)).start()
+        w = Worker(engine, WorkerConfig(url or redis_server.url, keys=keys, model_name="tiny", **kw), metrics).start()
         workers.append(w)
         return w
 
@@ -101,8 +102,8 @@ class Replica:
         self.name, self.port = name, free_port()
         env = dict(os.environ, REDIS_URL=redis_url, DECODELAB_REDIS_PREFIX=keys.prefix, OMP_NUM_THREADS="1",
                    HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
-        argv = [sys.executable, "-m", "engine_service.cli", "engine", "--model", str(model_dir), "--threads", "1",
-                "--num-kv-blocks", str(ENGINE_KW["num_kv_blocks"]), "--max-num-seqs", "8",
+        argv = [sys.executable, "-m", "engine_service.api", "--model", str(model_dir), "--threads", "1",
+                "--num-kv-blocks", str(ENGINE_KW["num_kv_blocks"]), "--max-num-seqs", "4",
                 "--port", str(self.port), "--replica-name", name, "--claim-idle", str(claim_idle),
                 "--served-model-name", "tiny", "--log-level", "warning", "--drain-timeout", "2"]
         self.proc = subprocess.Popen(argv, env=env, cwd=ROOT, start_new_session=True, preexec_fn=die_with_parent)

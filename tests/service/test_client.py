@@ -3,6 +3,7 @@
 Here the test itself plays the replica's side of the protocol with plain Redis commands.
 """
 import asyncio
+import time
 
 import pytest
 import redis.asyncio as aioredis
@@ -40,7 +41,7 @@ def test_submit_beyond_the_queue_bound_is_refused_at_once(redis_server, keys):
 
 def test_a_gap_in_sequence_numbers_is_repaired_from_the_result_key(redis_server, keys):
     async def main():
-        c = _client(redis_server, keys)
+        c = _client(redis_server, keys, recover_after=0.5)
         sub = await c.submit(GenerationRequest(prompt="x"))
         rid = sub.request_id
         seen = []
@@ -88,18 +89,18 @@ def test_a_rerun_is_followed_and_duplicates_ignored(redis_server, keys):
 
 def test_a_request_that_vanished_from_redis_ends_in_a_clear_error(redis_server, keys):
     async def main():
-        c = _client(redis_server, keys, recover_after=0.3)
+        c = _client(redis_server, keys, recover_after=0.2, lost_after=1.0)
         sub = await c.submit(GenerationRequest(prompt="x"))
         await c.redis.delete(keys.stream)  # what a Redis restart without persistence does
+        t0 = time.monotonic()
         events = [ev async for ev in c.stream(sub, timeout=10)]
         assert len(events) == 1 and isinstance(events[0], ErrorEvent) and events[0].code == "lost"
+        assert 1.0 <= time.monotonic() - t0 < 3
         await c.close()
     run(main(), 15)
 
 
 def test_waiting_is_bounded_by_the_timeout_and_the_deadline(redis_server, keys):
-    import time
-
     async def main():
         c = _client(redis_server, keys, recover_after=0.2)
         sub = await c.submit(GenerationRequest(prompt="x"))  # no replica: it stays queued
