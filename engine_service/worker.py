@@ -108,6 +108,7 @@ class Job:
     prompt_tokens: int = 0
     cancelled: bool = False
     started: bool = False
+    spec: dict | None = None  # the engine's speculative counters (RequestMetrics.spec), latest
 
     @property
     def rid(self) -> str:
@@ -279,12 +280,15 @@ class Worker:
             logprobs = None
             if comp.logprobs is not None:
                 logprobs = _logprobs(self.engine.tokenizer, new_ids, comp.logprobs[start:])
+            marks = getattr(comp, "spec_marks", None)
             ev = TokenEvent(request_id=job.rid, seq=job.next_seq(), attempt=job.attempt, index=comp.index,
                             text_delta=comp.text if reset else comp.text[len(sent_text):], token_ids=new_ids,
-                            reset=reset, logprobs=logprobs)
+                            reset=reset, logprobs=logprobs, spec=marks[start:] if marks is not None else None)
             job.sent[comp.index] = (comp.text, list(comp.token_ids))
             self._outbox.put(("publish", job.rid, encode(ev)))
             self.metrics.generated.inc(len(new_ids))
+        if out.metrics is not None and out.metrics.spec is not None:
+            job.spec = out.metrics.spec
         if job.first_token_at is None:
             job.first_token_at = now
             self.metrics.ttft.observe(now - job.request.created_at)
@@ -302,7 +306,8 @@ class Worker:
             tok = self.engine.tokenizer
             outputs = [Completion(index=c.index, text=c.text, token_ids=c.token_ids, finish_reason=c.finish_reason,
                                   cumulative_logprob=c.cumulative_logprob,
-                                  logprobs=_logprobs(tok, c.token_ids, c.logprobs) if c.logprobs is not None else None)
+                                  logprobs=_logprobs(tok, c.token_ids, c.logprobs) if c.logprobs is not None else None,
+                                  score=getattr(c, "score", None), spec=getattr(c, "spec_marks", None))
                        for c in outputs]
         now = time.time()
         created = job.request.created_at
@@ -311,7 +316,7 @@ class Worker:
         if job.first_token_at is not None and n_out > 1:
             tpot = (job.last_token_at - job.first_token_at) / (n_out - 1)
         metrics = Metrics(replica=self.cfg.name, prompt_tokens=job.prompt_tokens, completion_tokens=n_out,
-                          queue_s=job.picked_at - created, e2e_s=now - created, tpot_s=tpot,
+                          queue_s=job.picked_at - created, e2e_s=now - created, tpot_s=tpot, spec=job.spec,
                           ttft_s=None if job.first_token_at is None else job.first_token_at - created)
         if tpot is not None:
             self.metrics.tpot.observe(tpot)

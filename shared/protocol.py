@@ -77,6 +77,11 @@ class GenerationRequest(_Model):
         return self
 
 
+# speculative decoding, per generated token: a draft token the target kept, one the target drew after a rejection,
+# the extra token drawn after all k drafts were kept, or one decoded without a proposal (e.g. no n-gram match)
+SpecMark = str  # "accepted" | "resampled" | "bonus" | "target" (a str, so a new engine mark cannot break a stream)
+
+
 class TokenLogprob(_Model):
     token_id: int
     token: str
@@ -98,7 +103,7 @@ class TokenEvent(_Event):
     token_ids: list[int]
     reset: bool = False  # the output was rewritten (beam search): text_delta/token_ids are the whole output
     logprobs: list[TokenLogprob] | None = None
-    spec: list[Literal["accepted", "resampled", "bonus"]] | None = None  # speculative decoding marks
+    spec: list[SpecMark] | None = None  # speculative decoding: one mark per token in token_ids
 
 
 class Completion(_Model):
@@ -108,6 +113,8 @@ class Completion(_Model):
     finish_reason: str | None
     cumulative_logprob: float | None = None
     logprobs: list[TokenLogprob] | None = None
+    score: float | None = None  # beam search: the length-penalised beam score
+    spec: list[SpecMark] | None = None  # speculative decoding marks, one per token
 
 
 class Metrics(_Model):
@@ -118,6 +125,7 @@ class Metrics(_Model):
     ttft_s: float | None = None  # created -> first token
     tpot_s: float | None = None  # mean time per output token after the first
     e2e_s: float | None = None  # created -> done
+    spec: dict[str, float | int | str | None] | None = None  # speculative counters: proposed, accepted, steps, ...
 
 
 class DoneEvent(_Event):
