@@ -32,11 +32,12 @@ def add_parser(subparsers, add_engine_args) -> argparse.ArgumentParser:
 
 def _engine_argv(args) -> list[str]:
     """Pass the engine options through to `decodelab engine` (only those given a value)."""
-    argv = ["--model", args.model, "--dtype", args.dtype, "--device", args.device, "--block-size", str(args.block_size),
+    argv = ["--model", args.model, "--device", args.device, "--block-size", str(args.block_size),
             "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--kv-cache-memory", str(args.kv_cache_memory)]
-    for flag, value in (("--num-kv-blocks", args.num_kv_blocks), ("--attention-backend", args.attention_backend),
-                        ("--draft-model", args.draft_model), ("--threads", args.threads)):
+    for flag, value in (("--dtype", args.dtype), ("--num-kv-blocks", args.num_kv_blocks),
+                        ("--attention-backend", args.attention_backend), ("--draft-model", args.draft_model),
+                        ("--threads", args.threads)):
         if value is not None:
             argv += [flag, str(value)]
     if args.no_prefix_caching:
@@ -110,6 +111,8 @@ def run_play(args: argparse.Namespace) -> int:
             url = f"http://{args.host}:{args.web_port}"
         print(f"loading {args.model} ...", flush=True)
         _wait_ready(f"{engine_url}/ready", stack, args.ready_timeout, stop)
+        if url != engine_url:
+            _wait_ready(url, stack, args.ready_timeout, stop)
         if not stop.is_set():
             print(f"\nDecodeLab is up: {url}\n  engine API: {engine_url}/v1 (OpenAI), {engine_url}/metrics\n"
                   "  Ctrl-C to stop.", flush=True)
