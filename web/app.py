@@ -1,0 +1,168 @@
+"""The Gradio playground: one prompt, four decoding modes side by side, the KV cache live (`decodelab web`).
+
+It speaks to the engine only through Redis (shared/); handlers live in web/handlers.py, HTML in render/kv_panel.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no phoning home (and no version check)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import argparse  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import gradio as gr  # noqa: E402
+
+from shared.keys import Keys  # noqa: E402
+from web import handlers  # noqa: E402
+from web.modes import MAX_TOKENS_LIMIT, MODES, Settings  # noqa: E402
+from web.session import Service  # noqa: E402
+
+CSS_PATH = Path(__file__).with_name("style.css")
+DEFAULTS = Settings()
+INTRO = ("<h1>DecodeLab</h1><p>One prompt, four ways to decode it, streamed side by side from one engine batch. "
+         "The warmer a token's shade, the less likely it was: hover it for its probability and the top alternatives. "
+         "Below, the KV cache the four requests share.</p>")
+HEADERS = {
+    "greedy": ("Greedy", "Takes the most likely token at every step. Deterministic: the baseline."),
+    "beam": ("Beam search", "Keeps the <i>width</i> best partial answers, ranked by log-probability / length<sup>α</sup>."),
+    "sample": ("Sampling", "Draws each token from the distribution, reshaped by temperature, top-k, top-p and min-p."),
+    "speculative": ("Speculative", "A cheap proposer drafts k tokens, the model checks them in one pass. "
+                                   "Same text as greedy, fewer steps."),
+}
+EXAMPLES = [  # (chip label, prompt, chat template?, system prompt)
+    ("Why is the sky blue?", "Explain in three sentences why the sky is blue.", True, ""),
+    ("The planets, one per line", "List the planets of the solar system, one per line, with one fact about each.",
+     True, ""),
+    ("A haiku (with a system prompt)", "Write a haiku about a robot learning to paint.", True,
+     "You are a poet who writes short, vivid verse."),
+    ("Plain completion: primary colours", "The three primary colours are", False, ""),
+    ("Code completion: fibonacci", 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n', False, ""),
+]
+
+
+def theme() -> gr.themes.Base:
+    # System fonts only: the default theme would fetch Google Fonts, which an offline machine cannot reach.
+    return gr.themes.Soft(primary_hue="indigo", neutral_hue="slate",
+                          font=["ui-sans-serif", "system-ui", "Segoe UI", "Roboto", "sans-serif"],
+                          font_mono=["ui-monospace", "SFMono-Regular", "Menlo", "monospace"])
+
+
+def _mode_header(mode: str) -> None:
+    title, text = HEADERS[mode]
+    gr.HTML(f"<h3>{title}</h3><p>{text}</p>", elem_classes=["mode-head"])
+
+
+def build_app(service: Service) -> gr.Blocks:
+    h = handlers.Handlers(service)
+    with gr.Blocks(title="DecodeLab playground", analytics_enabled=False) as demo:
+        with gr.Row(equal_height=True):
+            gr.HTML(INTRO, elem_id="dl-title")
+            service_html = gr.HTML(elem_id="dl-service")
+        with gr.Row():
+            with gr.Column(scale=3):
+                prompt = gr.Textbox("", label="Prompt", lines=2, max_lines=12, elem_id="prompt",
+                                    placeholder="Ask something, or pick an example below")
+                with gr.Row(equal_height=True):
+                    chat = gr.Checkbox(DEFAULTS.chat, label="Chat template", elem_id="chat", scale=1,
+                                       info="wrap it in the model's chat template")
+                    share = gr.Checkbox(True, label="Share the prompt's KV blocks", elem_id="share", scale=1,
+                                        info="greedy prefills first, the others hit the prefix cache")
+                    system = gr.Textbox("", label="System prompt (optional, chat template only)", lines=1, scale=2,
+                                        elem_id="system")
+            with gr.Column(scale=1, min_width=260):
+                model = gr.Dropdown(label="Model", choices=[""], value="", allow_custom_value=True, elem_id="model",
+                                    info="served by the replicas connected to Redis")
+                max_tokens = gr.Slider(1, MAX_TOKENS_LIMIT, value=DEFAULTS.max_tokens, step=1, label="Max tokens",
+                                       elem_id="max-tokens")
+                with gr.Row():
+                    run_btn = gr.Button("Run", variant="primary", elem_id="run")
+                    stop_btn = gr.Button("Stop", variant="stop", elem_id="stop")
+        examples = gr.Dataset(components=["textbox"], samples=[[e[0]] for e in EXAMPLES], type="index",
+                              label="Examples", layout="gallery", elem_id="examples")
+        message = gr.HTML(elem_id="dl-message")
+
+        with gr.Row(equal_height=False):
+            with gr.Column(elem_id="col-greedy", min_width=220):
+                _mode_header("greedy")
+                gr.HTML('<p class="dim" style="font-size:.8rem">No knobs: argmax, temperature 0.</p>')
+            with gr.Column(elem_id="col-beam", min_width=220):
+                _mode_header("beam")
+                with gr.Row():
+                    beam_width = gr.Slider(1, 8, value=DEFAULTS.beam_width, step=1, label="Width", elem_id="beam-width")
+                    beams_shown = gr.Slider(1, 8, value=DEFAULTS.beams_shown, step=1, label="Beams shown",
+                                            elem_id="beams-shown")
+                length_penalty = gr.Slider(-1.0, 3.0, value=DEFAULTS.length_penalty, step=0.1,
+                                           label="Length penalty α", elem_id="length-penalty")
+            with gr.Column(elem_id="col-sample", min_width=220):
+                _mode_header("sample")
+                with gr.Row():
+                    temperature = gr.Slider(0.0, 2.0, value=DEFAULTS.temperature, step=0.05, label="Temperature",
+                                            elem_id="temperature")
+                    top_p = gr.Slider(0.05, 1.0, value=DEFAULTS.top_p, step=0.05, label="Top-p", elem_id="top-p")
+                with gr.Row():
+                    top_k = gr.Number(DEFAULTS.top_k, precision=0, label="Top-k (-1: off)", elem_id="top-k")
+                    min_p = gr.Slider(0.0, 0.5, value=DEFAULTS.min_p, step=0.01, label="Min-p", elem_id="min-p")
+                with gr.Row():
+                    seed = gr.Number(DEFAULTS.seed, precision=0, label="Seed (empty: random)", elem_id="seed")
+                    n = gr.Slider(1, 4, value=DEFAULTS.n, step=1, label="n samples", elem_id="n")
+            with gr.Column(elem_id="col-speculative", min_width=220):
+                _mode_header("speculative")
+                proposer = gr.Radio(["ngram", "draft"], value=DEFAULTS.proposer, label="Proposer",
+                                    info="n-gram: copy from the context; draft: a small model", elem_id="proposer")
+                spec_k = gr.Slider(1, 8, value=DEFAULTS.spec_k, step=1, label="k (tokens drafted per step)",
+                                   elem_id="spec-k")
+        with gr.Row(equal_height=False):
+            outs = [gr.HTML(h.idle_column(m), elem_id=f"out-{m}", min_width=220) for m in MODES]
+        with gr.Row(equal_height=False):
+            with gr.Column(scale=3):
+                gr.HTML('<div class="sect">KV cache</div>')
+                kv = gr.HTML(elem_id="kv")
+            with gr.Column(scale=2, min_width=320):
+                gr.HTML('<div class="sect">Summary of the last run</div>')
+                chart = gr.Plot(show_label=False, elem_id="chart")
+        with gr.Accordion("Run data (JSON, also what the API returns)", open=False):
+            run_json = gr.JSON(elem_id="run-json")
+
+        inputs = [prompt, chat, system, max_tokens, model, share, beam_width, length_penalty, beams_shown,
+                  temperature, top_k, top_p, min_p, seed, n, proposer, spec_k]
+        run_event = run_btn.click(h.run, inputs, [message, *outs, kv, chart, run_json], api_name="run",
+                                  concurrency_limit=None, show_progress="hidden")
+        prompt.submit(h.run, inputs, [message, *outs, kv, chart, run_json], api_name=False,
+                      concurrency_limit=None, show_progress="hidden")
+        examples.click(lambda i: EXAMPLES[i][1:], examples, [prompt, chat, system], api_name=False, queue=False)
+        stop_btn.click(h.stop, None, None, api_name="stop", concurrency_limit=None, queue=False)
+        del run_event
+        timer = gr.Timer(1.0)
+        timer.tick(h.tick, None, [service_html, kv], api_name=False, concurrency_limit=None,
+                   show_progress="hidden", queue=False)
+        demo.load(h.load, None, [service_html, kv, model], api_name=False, queue=False)
+        demo.unload(h.unload)
+    return demo
+
+
+def launch(demo: gr.Blocks, host: str, port: int, **kw):
+    demo.queue(default_concurrency_limit=None, max_size=256)
+    return demo.launch(server_name=host, server_port=port, theme=theme(), css_paths=[CSS_PATH], ssr_mode=False,
+                       show_error=True, quiet=kw.pop("quiet", False), **kw)
+
+
+# ---- `decodelab web`
+def add_parser(subparsers, add_engine_args) -> argparse.ArgumentParser:
+    del add_engine_args  # the web has no engine: it only needs Redis
+    env = os.environ.get
+    p = subparsers.add_parser("web", help="the Gradio playground (talks to the engine replicas through Redis)")
+    p.add_argument("--redis-url", default=env("REDIS_URL"), help="default: $REDIS_URL")
+    p.add_argument("--host", default=env("GRADIO_SERVER_NAME", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=int(env("GRADIO_SERVER_PORT", 7860)))
+    p.set_defaults(func=run_web)
+    return p
+
+
+def run_web(args: argparse.Namespace) -> int:
+    if not args.redis_url:
+        raise SystemExit("decodelab web: no Redis; pass --redis-url or set REDIS_URL (or use `decodelab play`)")
+    demo = build_app(Service(args.redis_url, Keys.from_env()))
+    launch(demo, args.host, args.port)
+    return 0

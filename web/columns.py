@@ -1,0 +1,187 @@
+"""What one column knows about its request: streamed tokens (with logprobs and speculative marks), status, metrics."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from shared.protocol import Completion, DoneEvent, ErrorEvent, GenerationRequest, TokenEvent, TokenLogprob
+
+FINAL = ("done", "error", "cancelled", "invalid", "off")
+
+
+@dataclass
+class Token:
+    text: str
+    token_id: int | None = None
+    logprob: float | None = None
+    top: list[tuple[int, str, float | None]] = field(default_factory=list)
+    mark: str | None = None  # speculative: accepted | resampled | bonus | target
+
+
+@dataclass
+class Output:
+    index: int
+    tokens: list[Token] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    cumulative_logprob: float | None = None
+    score: float | None = None  # beam search: length-penalised score
+
+
+def _tokens(ids: list[int], text: str, logprobs: list[TokenLogprob] | None, marks: list | None) -> list[Token]:
+    marks = list(marks or [])
+    if logprobs and len(logprobs) == len(ids):
+        return [Token(lp.token, lp.token_id, lp.logprob, list(lp.top), marks[i] if i < len(marks) else None)
+                for i, lp in enumerate(logprobs)]
+    if len(ids) == 1:
+        return [Token(text, ids[0], mark=marks[0] if marks else None)]
+    return [Token(text, mark=marks[0] if marks else None)] if text else []
+
+
+@dataclass
+class Column:
+    mode: str
+    status: str = "idle"  # idle | waiting | queued | running | done | error | cancelled | invalid | off
+    request: GenerationRequest | None = None
+    error: str | None = None
+    error_code: str | None = None
+    queue_position: int | None = None
+    entry_id: str | None = None  # the request's Redis stream entry
+    outputs: dict[int, Output] = field(default_factory=dict)
+    submitted_at: float | None = None  # unix time (the request's created_at)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    done: DoneEvent | None = None
+    version: int = 0  # bumped on every change, so unchanged columns are not re-sent
+
+    @property
+    def finished(self) -> bool:
+        return self.status in FINAL
+
+    @property
+    def request_id(self) -> str | None:
+        return self.request.request_id if self.request is not None else None
+
+    def touch(self) -> None:
+        self.version += 1
+
+    def fail(self, message: str, code: str = "invalid_request", status: str = "error") -> None:
+        self.status, self.error, self.error_code = status, message, code
+        self.touch()
+
+    # ---- events
+    def feed(self, ev: TokenEvent | DoneEvent | ErrorEvent) -> None:
+        if isinstance(ev, TokenEvent):
+            self._on_token(ev)
+        elif isinstance(ev, DoneEvent):
+            self._on_done(ev)
+        else:
+            self.fail(ev.message, ev.code)
+
+    def _on_token(self, ev: TokenEvent) -> None:
+        now = time.time()
+        self.status, self.queue_position = "running", None
+        self.first_token_at = self.first_token_at or now
+        self.last_token_at = now
+        out = self.outputs.setdefault(ev.index, Output(ev.index))
+        new = _tokens(ev.token_ids, ev.text_delta, ev.logprobs, ev.spec)
+        if ev.reset:
+            out.tokens, out.token_ids, out.text = new, list(ev.token_ids), ev.text_delta
+        else:
+            out.tokens += new
+            out.token_ids += ev.token_ids
+            out.text += ev.text_delta
+        self.touch()
+
+    def _on_done(self, ev: DoneEvent) -> None:
+        self.done = ev
+        self.status = "cancelled" if ev.finish_reason in ("cancelled", "abort") else "done"
+        for c in ev.outputs:
+            self._final_output(c)
+        self.touch()
+
+    def _final_output(self, c: Completion) -> None:
+        old = self.outputs.get(c.index, Output(c.index))
+        out = Output(c.index, token_ids=list(c.token_ids), text=c.text, finish_reason=c.finish_reason,
+                     cumulative_logprob=c.cumulative_logprob, score=getattr(c, "score", None))
+        marks = getattr(c, "spec", None) or [t.mark for t in old.tokens]
+        if c.logprobs and len(c.logprobs) == len(c.token_ids):
+            out.tokens = _tokens(c.token_ids, c.text, c.logprobs, marks if len(marks) == len(c.token_ids) else None)
+        else:  # no logprobs: keep what streamed (it adds up to the final text unless a stop string cut it)
+            out.tokens = old.tokens if "".join(t.text for t in old.tokens) == c.text else [Token(c.text)]
+        self.outputs[c.index] = out
+
+    # ---- metrics (the replica's own numbers once done; live estimates before)
+    @property
+    def num_tokens(self) -> int:
+        if self.done is not None:
+            return self.done.metrics.completion_tokens
+        return max((len(o.token_ids) for o in self.outputs.values()), default=0)
+
+    @property
+    def ttft(self) -> float | None:
+        if self.done is not None and self.done.metrics.ttft_s is not None:
+            return self.done.metrics.ttft_s
+        if self.first_token_at is not None and self.submitted_at is not None:
+            return self.first_token_at - self.submitted_at
+        return None
+
+    @property
+    def tpot(self) -> float | None:
+        if self.done is not None:
+            return self.done.metrics.tpot_s
+        n = self.num_tokens
+        if n > 1 and self.first_token_at is not None:
+            return (self.last_token_at - self.first_token_at) / (n - 1)
+        return None
+
+    @property
+    def elapsed(self) -> float | None:
+        """Request created -> last token (done: created -> finished)."""
+        if self.done is not None and self.done.metrics.e2e_s is not None:
+            return self.done.metrics.e2e_s
+        if self.submitted_at is None:
+            return None
+        end = self.last_token_at if self.finished and self.last_token_at else time.time()
+        return end - self.submitted_at
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        n, t = self.num_tokens, self.elapsed
+        return n / t if n and t else None
+
+    def spec_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        out = self.outputs.get(0)
+        for t in out.tokens if out else []:
+            if t.mark:
+                counts[t.mark] = counts.get(t.mark, 0) + 1
+        return counts
+
+    def acceptance_rate(self, k: int) -> tuple[float, bool] | None:
+        """(accepted / proposed, exact?): the replica's counters when it sends them, else from the token marks."""
+        spec = getattr(self.done.metrics, "spec", None) if self.done is not None else None
+        if isinstance(spec, dict) and spec.get("proposed"):
+            return spec.get("accepted", 0) / spec["proposed"], True
+        c = self.spec_counts()
+        rounds = c.get("resampled", 0) + c.get("bonus", 0)  # each verification ends with one of these
+        if not rounds:
+            return None
+        return min(1.0, c.get("accepted", 0) / (rounds * k)), False
+
+    def summary(self) -> dict:
+        """The column as plain data (the run's JSON output, which API clients and tests read)."""
+        return {
+            "mode": self.mode, "status": self.status, "request_id": self.request_id,
+            "error": self.error, "error_code": self.error_code,
+            "finish_reason": self.done.finish_reason if self.done else None,
+            "outputs": [{"index": o.index, "text": o.text, "token_ids": o.token_ids,
+                         "finish_reason": o.finish_reason, "cumulative_logprob": o.cumulative_logprob,
+                         "score": o.score, "spec": [t.mark for t in o.tokens] if self.mode == "speculative" else None}
+                        for o in sorted(self.outputs.values(), key=lambda o: o.index)],
+            "metrics": {"ttft_s": self.ttft, "tpot_s": self.tpot, "tokens": self.num_tokens,
+                        "tokens_per_s": self.tokens_per_s, "e2e_s": self.elapsed,
+                        "queue_s": self.done.metrics.queue_s if self.done else None,
+                        "replica": self.done.metrics.replica if self.done else None},
+        }

@@ -1,0 +1,129 @@
+"""Gradio event handlers: Run (streams the four columns), Stop, and the service/KV pulse (timer)."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from urllib.parse import urlsplit
+
+import gradio as gr
+
+from web.charts import summary_figure
+from web.columns import Column
+from web.kv_panel import kv_panel_html
+from web.modes import MODES, Settings, check_prompt
+from web.render import column_html, message_html
+from web.session import Run, Service
+
+MAX_SESSIONS = 1000
+
+
+def _where(url: str) -> str:
+    parts = urlsplit(url)
+    return f"{parts.hostname or '?'}:{parts.port or 6379}"  # never the password
+
+
+def service_html(service: Service, ok: bool, live: dict[str, dict]) -> str:
+    if not ok:
+        return f'<div class="svc bad" role="alert"><span class="dot"></span>Redis unreachable at {_where(service.redis_url)}</div>'
+    if not live:
+        return ('<div class="svc bad" role="alert"><span class="dot"></span>No engine replica connected '
+                '(start <code>decodelab engine</code>; a model may still be loading)</div>')
+    models = sorted({str(r.get("model") or "?") for r in live.values()})
+    running = sum(int(r.get("running", 0)) for r in live.values())
+    return (f'<div class="svc"><span class="dot"></span>{len(live)} replica{"s" if len(live) > 1 else ""} · '
+            f'{", ".join(models)} · {running} running</div>')
+
+
+class Handlers:
+    def __init__(self, service: Service):
+        self.service = service
+        self.runs: OrderedDict[str, Run] = OrderedDict()  # per browser session: its latest run (for Stop, KV)
+
+    @staticmethod
+    def idle_column(mode: str) -> str:
+        return column_html(Column(mode))
+
+    def _remember(self, session: str, run: Run) -> None:
+        self.runs[session] = run
+        self.runs.move_to_end(session)
+        while len(self.runs) > MAX_SESSIONS:
+            self.runs.popitem(last=False)
+
+    async def run(self, prompt, chat, system_prompt, max_tokens, model, share, beam_width, length_penalty,
+                  beams_shown, temperature, top_k, top_p, min_p, seed, n, proposer, spec_k,
+                  request: gr.Request):
+        settings = Settings(prompt=prompt or "", chat=bool(chat), system_prompt=system_prompt or "",
+                            max_tokens=max_tokens, model=model or None, beam_width=beam_width,
+                            length_penalty=length_penalty, beams_shown=beams_shown, temperature=temperature,
+                            top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, n=n, proposer=proposer, spec_k=spec_k)
+        skip = gr.skip()
+        if (error := check_prompt(settings)) is not None:
+            yield message_html(error), *[skip] * 4, skip, skip, {"error": error}
+            return
+        ok, live = await self.service.health()
+        if not ok or not live:
+            error = ("Redis is unreachable: the playground cannot reach the engine." if not ok else
+                     "No engine replica is connected to Redis, so nothing would answer. Start one "
+                     "(decodelab engine, or decodelab play); a model may still be loading.")
+            yield message_html(error), *[skip] * 4, skip, skip, {"error": error}
+            return
+        session = request.session_hash if request is not None else ""
+        run = Run(self.service, settings, share_prompt=bool(share), client_id=(session or "")[:128])
+        if (previous := self.runs.get(session)) is not None and not previous.finished:
+            previous.stop()
+        self._remember(session, run)
+        seen: dict[str, int] = {}
+        first = True
+        async for _ in run.updates():
+            yield self._frame(run, seen, clear=first)
+            first = False
+        yield self._frame(run, seen, final=True)
+
+    def _frame(self, run: Run, seen: dict[str, int], clear: bool = False, final: bool = False) -> tuple:
+        cols = run.columns
+        k = int(run.settings.spec_k or 1)
+        htmls = []
+        for m in MODES:
+            version = cols[m].version + (cols["greedy"].version if m == "speculative" else 0)
+            if seen.get(m) == version and not final:
+                htmls.append(gr.skip())
+                continue
+            seen[m] = version
+            htmls.append(column_html(cols[m], cols["greedy"], k))
+        owners = {c.request_id: m for m, c in cols.items() if c.request is not None}
+        kv = kv_panel_html(run.kv, owners, run.kv_peak, running=not final)
+        if final:
+            msg = message_html(run.message) if run.message else ""
+            fig = summary_figure([cols[m] for m in MODES])
+            data = {"columns": {m: c.summary() for m, c in cols.items()}, "message": run.message,
+                    "kv": run.kv[0].stats if run.kv else None}
+            return msg, *htmls, kv, fig, data
+        msg = message_html(run.message) if run.message else ""
+        return msg, *htmls, kv, (None if clear else gr.skip()), gr.skip()
+
+    async def stop(self, request: gr.Request):
+        run = self.runs.get(request.session_hash if request is not None else "")
+        if run is not None and not run.finished and run.loop is not None:
+            run.loop.call_soon_threadsafe(run.stop)
+
+    async def tick(self, request: gr.Request):
+        ok, live = await self.service.health()
+        status = service_html(self.service, ok, live)
+        run = self.runs.get(request.session_hash if request is not None else "")
+        if run is not None and not run.finished:
+            return status, gr.skip()  # the run's own updates draw the KV panel
+        return status, await self._kv_html(run)
+
+    async def _kv_html(self, run: Run | None) -> str:
+        owners = {c.request_id: m for m, c in run.columns.items() if c.request is not None} if run else {}
+        return kv_panel_html(await self.service.kv(), owners, run.kv_peak if run else None, running=False)
+
+    async def load(self, request: gr.Request):
+        ok, live = await self.service.health()
+        models = sorted({str(r["model"]) for r in live.values() if r.get("model")})
+        dropdown = gr.Dropdown(choices=models, value=models[0] if len(models) == 1 else None)
+        return service_html(self.service, ok, live), await self._kv_html(None), dropdown
+
+    async def unload(self, request: gr.Request):
+        run = self.runs.pop(request.session_hash if request is not None else "", None)
+        if run is not None and not run.finished and run.loop is not None:
+            run.loop.call_soon_threadsafe(run.stop)

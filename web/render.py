@@ -1,0 +1,154 @@
+"""HTML for one column: status, metrics, the token view (probability + top alternatives on hover), beams, samples."""
+from __future__ import annotations
+
+import math
+from html import escape
+
+from web.columns import Column, Output, Token
+
+MODE_COLORS = {"greedy": "#2563eb", "beam": "#7c3aed", "sample": "#d97706", "speculative": "#059669"}
+STATUS = {"idle": "ready", "waiting": "waiting for the shared prompt", "queued": "queued", "running": "streaming",
+          "done": "done", "error": "error", "cancelled": "stopped", "invalid": "check the settings", "off": "off"}
+MARK_TITLES = {"accepted": "proposed by the draft, accepted by the target",
+               "resampled": "draft rejected: resampled by the target", "bonus": "bonus token: all k drafts accepted",
+               "target": "decoded by the target alone (no proposal)"}
+
+
+def _num(x: float | None, fmt: str, unit: str = "") -> str:
+    return "–" if x is None or not math.isfinite(x) else f"{x:{fmt}}{unit}"
+
+
+def _ms(x: float | None) -> str:
+    if x is None:
+        return "–"
+    return f"{x * 1000:.0f} ms" if x < 1 else f"{x:.2f} s"
+
+
+def _prob(lp: float | None) -> float | None:
+    return None if lp is None else math.exp(lp)
+
+
+def _tip(t: Token) -> str:
+    p = _prob(t.logprob)
+    rows = []
+    for tid, text, lp in t.top[:5]:
+        q = _prob(lp) or 0.0
+        me = " me" if tid == t.token_id else ""
+        rows.append(f'<div class="alt{me}"><code>{escape(_visible(text))}</code>'
+                    f'<i style="width:{q * 100:.0f}%"></i><span>{q * 100:.1f}%</span></div>')
+    head = f"<b>{escape(_visible(t.text))}</b> p = {_num(p and p * 100, '.1f', '%')}"
+    if t.logprob is not None:
+        head += f" <small>(logprob {t.logprob:.2f})</small>"
+    if t.mark:
+        head += f'<div class="mk">{escape(MARK_TITLES.get(t.mark, t.mark))}</div>'
+    return f'<span class="tip">{head}{"".join(rows)}</span>'
+
+
+def _visible(text: str) -> str:
+    return text.replace("\n", "↵").replace("\t", "⇥") or "∅"
+
+
+def _token(t: Token) -> str:
+    p = _prob(t.logprob)
+    cls = f"tk m-{t.mark}" if t.mark else "tk"
+    style = "" if p is None or t.mark else f' style="--u:{min(1.0, 1.0 - p):.2f}"'
+    body = escape(t.text).replace("\n", '<span class="nl">↵</span><br>')
+    tip = _tip(t) if (t.top or t.mark or t.logprob is not None) else ""
+    return f'<span class="{cls}"{style}>{body}{tip}</span>'
+
+
+def tokens_html(out: Output) -> str:
+    return "".join(_token(t) for t in out.tokens) or '<span class="dim">…</span>'
+
+
+def _metric(value: str, label: str, hint: str) -> str:
+    return f'<div class="mt" title="{escape(hint)}"><b>{value}</b><span>{label}</span></div>'
+
+
+def metrics_html(col: Column) -> str:
+    finish = col.done.finish_reason if col.done else None
+    return '<div class="mts">' + "".join([
+        _metric(_ms(col.ttft), "TTFT", "time to first token: request created -> first token"),
+        _metric(_num(col.tokens_per_s, ".1f"), "tok/s", "generated tokens / (request created -> last token)"),
+        _metric(_ms(col.tpot), "TPOT", "time per output token after the first"),
+        _metric(str(col.num_tokens) if col.outputs or col.done else "–", "tokens", "tokens generated"),
+        _metric(escape(finish or "–"), "finish", "why generation stopped"),
+    ]) + "</div>"
+
+
+def _pill(col: Column) -> str:
+    label = STATUS.get(col.status, col.status)
+    if col.status == "queued":
+        label = f"queued · #{col.queue_position} in line" if col.queue_position else "picked up · prefilling"
+    if col.status == "done" and col.done and col.done.metrics.replica:
+        label += f" · {escape(col.done.metrics.replica)}"
+    return f'<span class="pill s-{col.status}">{escape(label)}</span>'
+
+
+def _spec_html(col: Column, greedy: Column | None, k: int) -> str:
+    counts = col.spec_counts()
+    if not counts and col.status != "done":
+        return ""
+    total = sum(counts.values()) or 1
+    rate = col.acceptance_rate(k)
+    rate_s = "–" if rate is None else f"{'' if rate[1] else '≈'}{rate[0] * 100:.0f}%"
+    speed = None
+    if greedy is not None and greedy.tpot and col.tpot:
+        speed = greedy.tpot / col.tpot
+    bar = "".join(f'<i class="m-{m}" style="flex:{counts.get(m, 0)}" title="{m}: {counts.get(m, 0)}"></i>'
+                  for m in ("accepted", "bonus", "resampled", "target") if counts.get(m))
+    return (f'<div class="spec"><div class="mts">'
+            f'{_metric(rate_s, "acceptance", "draft tokens accepted / draft tokens proposed")}'
+            f'{_metric(_num(counts.get("accepted", 0) / total * 100, ".0f", "%"), "from draft", "share of the output the proposer wrote")}'
+            f'{_metric(_num(speed, ".2f", "×"), "vs greedy", "decode speed-up: greedy TPOT / speculative TPOT")}'
+            f'</div><div class="specbar">{bar}</div>'
+            '<div class="legend"><span class="tk m-accepted">accepted</span> <span class="tk m-resampled">'
+            'resampled</span> <span class="tk m-bonus">bonus</span> <span class="tk m-target">target only</span>'
+            '</div></div>')
+
+
+def _beams_html(col: Column) -> str:
+    outs = sorted(col.outputs.values(), key=lambda o: o.index)
+    if len(outs) < 2:
+        return ""
+    rows = []
+    for o in outs:
+        score = o.score if o.score is not None else None
+        rows.append(f'<div class="beam"><span class="rank">#{o.index + 1}</span>'
+                    f'<span class="score" title="length-penalised score / cumulative logprob">'
+                    f'{_num(score, ".3f")} <small>{_num(o.cumulative_logprob, ".2f")}</small></span>'
+                    f'<div class="btext">{tokens_html(o)}</div></div>')
+    return '<div class="sect">Top beams <small>score · cumulative logprob</small></div>' + "".join(rows)
+
+
+def _samples_html(col: Column) -> str:
+    outs = sorted(col.outputs.values(), key=lambda o: o.index)
+    return "".join(f'<div class="sect">sample {o.index + 1}</div><div class="txt">{tokens_html(o)}</div>'
+                   for o in outs[1:])
+
+
+def column_html(col: Column, greedy: Column | None = None, spec_k: int = 4) -> str:
+    color = MODE_COLORS.get(col.mode, "#64748b")
+    parts = [f'<div class="dl-col" style="--mode:{color}" data-mode="{col.mode}" data-status="{col.status}">',
+             f'<div class="hd">{_pill(col)}</div>', metrics_html(col)]
+    if col.mode == "speculative":
+        parts.append(_spec_html(col, greedy, spec_k))
+    if col.error:
+        parts.append(f'<div class="err" role="alert">{escape(col.error)}</div>')
+    main = col.outputs.get(0)
+    if main is not None:
+        parts.append(f'<div class="txt">{tokens_html(main)}</div>')
+    elif col.status in ("queued", "waiting", "running"):
+        parts.append('<div class="txt"><span class="dim">waiting for the first token…</span></div>')
+    elif col.status == "idle":
+        parts.append('<div class="txt"><span class="dim">Press Run.</span></div>')
+    if col.mode == "beam":
+        parts.append(_beams_html(col))
+    elif col.mode == "sample":
+        parts.append(_samples_html(col))
+    parts.append("</div>")
+    return "".join(parts)
+
+
+def message_html(text: str | None, kind: str = "error") -> str:
+    return f'<div class="dl-msg {kind}" role="alert">{escape(text)}</div>' if text else ""

@@ -1,0 +1,214 @@
+"""One click of Run: submit the columns' requests through Redis, stream them in parallel, watch the service.
+
+Every wait is bounded: a dead engine or an unreachable Redis ends the run with a message in each column.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from shared import monitor
+from shared.client import EngineClient, QueueFull
+from shared.keys import Keys
+from shared.monitor import KVSnapshot
+from web.columns import Column
+from web.modes import MODES, InputError, Settings, build_request
+
+REPLICA_GONE_S = 6.0  # no replica heartbeat this long while requests are out: the engine is down
+REDIS_GONE_S = 4.0
+STOP_GRACE_S = 3.0  # after Stop, wait this long for the replica's "cancelled" before closing columns ourselves
+PREFILL_WAIT_S = 30.0  # share-the-prompt: the others go anyway if greedy has no first token by then
+
+
+class Service:
+    """The web's handle on Redis: one EngineClient per event loop (redis.asyncio connections are loop-bound)."""
+
+    def __init__(self, redis_url: str, keys: Keys | None = None, replica_gone_s: float = REPLICA_GONE_S,
+                 redis_gone_s: float = REDIS_GONE_S):
+        self.redis_url, self.keys = redis_url, keys or Keys.from_env()
+        self.replica_gone_s, self.redis_gone_s = replica_gone_s, redis_gone_s
+        self._clients: dict[int, EngineClient] = {}
+
+    def client(self) -> EngineClient:
+        loop = asyncio.get_running_loop()
+        c = self._clients.get(id(loop))
+        if c is None:
+            r = aioredis.Redis.from_url(self.redis_url, decode_responses=True, socket_connect_timeout=2,
+                                        socket_timeout=10)
+            c = self._clients[id(loop)] = EngineClient(r, self.keys, recover_after=2.0)
+        return c
+
+    async def health(self) -> tuple[bool, dict[str, dict]]:
+        """(Redis reachable?, live replicas)."""
+        r = self.client().redis
+        try:
+            await asyncio.wait_for(r.ping(), 2.0)
+            return True, await asyncio.wait_for(monitor.replicas(r, self.keys), 2.0)
+        except (RedisError, OSError, asyncio.TimeoutError):
+            return False, {}
+
+    async def kv(self) -> list[KVSnapshot]:
+        try:
+            return await asyncio.wait_for(monitor.kv_snapshots(self.client().redis, self.keys), 2.0)
+        except (RedisError, OSError, asyncio.TimeoutError):
+            return []
+
+
+class Run:
+    def __init__(self, service: Service, settings: Settings, share_prompt: bool = True, client_id: str = ""):
+        self.service, self.settings, self.share_prompt, self.client_id = service, settings, share_prompt, client_id
+        self.columns = {m: Column(m) for m in MODES}
+        self.started_at = time.time()
+        self.kv: list[KVSnapshot] = []
+        self.kv_peak: KVSnapshot | None = None  # the snapshot with the most blocks held by this run
+        self.message: str | None = None  # for the whole run (engine down, ...)
+        self._changed = asyncio.Event()
+        self._stop_at: float | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._prefilled = asyncio.Event()
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.columns.values())
+
+    def stop(self) -> None:
+        """Cancel every request still out (called on the run's event loop, e.g. by the Stop button)."""
+        if self._stop_at is None:
+            self._stop_at = time.monotonic()
+            self._tasks.append(asyncio.create_task(self._cancel_quietly()))
+            self._changed.set()
+
+    async def _cancel_quietly(self) -> None:
+        client = self.service.client()
+        for col in self.columns.values():
+            if col.request is not None and not col.finished:
+                with contextlib.suppress(RedisError, OSError, asyncio.TimeoutError):
+                    await asyncio.wait_for(client.cancel(col.request_id), 2.0)
+        self._changed.set()
+
+    # ---- the run
+    async def updates(self, min_interval: float = 0.12) -> AsyncIterator[None]:
+        """Yield whenever something visible changed (at most every `min_interval` s) until every column ends."""
+        self.loop = asyncio.get_running_loop()
+        self._prepare()
+        greedy_first = self.share_prompt and self.columns["greedy"].request is not None
+        if not greedy_first:
+            self._prefilled.set()
+        for col in self.columns.values():
+            if col.request is not None:
+                col.status = "queued" if (col.mode == "greedy" or not greedy_first) else "waiting"
+                col.touch()
+                self._tasks.append(asyncio.create_task(self._stream(col)))
+        self._tasks.append(asyncio.create_task(self._watch()))
+        try:
+            yield
+            while not self.finished:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), 0.5)
+                self._changed.clear()
+                if self._stop_at is not None and time.monotonic() - self._stop_at > STOP_GRACE_S:
+                    for col in self.columns.values():
+                        if not col.finished:
+                            col.fail("stopped before the replica confirmed", "cancelled", "cancelled")
+                yield
+                await asyncio.sleep(min_interval)
+            self.kv = await self.service.kv()
+            yield
+        finally:
+            for task in self._tasks:
+                task.cancel()
+            if not self.finished:  # the browser went away mid-run: stop the generations
+                await asyncio.shield(self._cancel_quietly())
+
+    def _prepare(self) -> None:
+        for mode, col in self.columns.items():
+            try:
+                col.request = build_request(mode, self.settings, self.client_id)
+            except InputError as e:
+                col.fail(str(e), "invalid_request", "invalid")
+
+    async def _stream(self, col: Column) -> None:
+        client = self.service.client()
+        if col.status == "waiting":
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._prefilled.wait(), PREFILL_WAIT_S)
+            if self._stop_at is not None:
+                col.fail("stopped before it was sent", "cancelled", "cancelled")
+                self._changed.set()
+                return
+            col.request = col.request.model_copy(update={"created_at": time.time()})
+            col.status = "queued"
+        col.submitted_at = col.request.created_at
+        try:
+            sub = await asyncio.wait_for(client.submit(col.request), 5.0)
+        except QueueFull as e:
+            col.fail(str(e), "queue_full")
+        except (RedisError, OSError, asyncio.TimeoutError) as e:
+            col.fail(f"Redis unreachable: {e or type(e).__name__}", "unavailable")
+        else:
+            col.entry_id = sub.entry_id
+            col.touch()
+            self._changed.set()
+            async for ev in client.stream(sub, timeout=600):
+                col.feed(ev)
+                if col.mode == "greedy":
+                    self._prefilled.set()  # its prompt blocks are computed and in the prefix cache now
+                self._changed.set()
+        finally:
+            if col.mode == "greedy":
+                self._prefilled.set()
+            self._changed.set()
+
+    async def _watch(self) -> None:
+        """Queue positions, KV snapshots, and the service's pulse while anything is out."""
+        client, keys = self.service.client(), self.service.keys
+        redis_lost = replicas_lost = None
+        last_health = 0.0
+        while not self.finished:
+            now = time.monotonic()
+            if now - last_health >= 1.0:
+                last_health = now
+                ok, live = await self.service.health()
+                redis_lost = None if ok else (redis_lost or now)
+                replicas_lost = None if (live or not ok) else (replicas_lost or now)
+                if redis_lost and now - redis_lost > self.service.redis_gone_s:
+                    self._abandon("Redis became unreachable during the run; the results are unknown.", "unavailable")
+                elif replicas_lost and now - replicas_lost > self.service.replica_gone_s:
+                    self._abandon("The engine went down: no replica has sent a heartbeat for "
+                                  f"{self.service.replica_gone_s:.0f}s. Start one (decodelab engine) and run again.",
+                                  "unavailable")
+                    await self._cancel_quietly()
+            if not redis_lost:
+                for col in self.columns.values():
+                    if col.status == "queued" and col.entry_id:
+                        with contextlib.suppress(RedisError, OSError, asyncio.TimeoutError):
+                            pos = await asyncio.wait_for(monitor.queue_position(client.redis, keys, col.entry_id), 2)
+                            if pos != col.queue_position:
+                                col.queue_position = pos
+                                col.touch()
+                self._take_kv(await self.service.kv())
+            self._changed.set()
+            await asyncio.sleep(0.25)
+
+    def _take_kv(self, snaps: list[KVSnapshot]) -> None:
+        self.kv = snaps
+        ours = {c.request_id for c in self.columns.values() if c.request is not None}
+
+        def held(s: KVSnapshot) -> int:
+            return len({b for q in s.seqs if q.request_id in ours for b in q.blocks})
+
+        for s in snaps:
+            if held(s) and (self.kv_peak is None or held(s) >= held(self.kv_peak)):
+                self.kv_peak = s
+
+    def _abandon(self, message: str, code: str) -> None:
+        self.message = message
+        for col in self.columns.values():
+            if not col.finished:
+                col.fail(message, code)
