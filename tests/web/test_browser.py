@@ -1,0 +1,122 @@
+"""The playground in a real headless Chromium (Debian's, never `playwright install`) against real replicas."""
+from __future__ import annotations
+
+import re
+import tempfile
+from pathlib import Path
+
+import pytest
+from playwright.sync_api import expect, sync_playwright
+
+ROOT = Path(__file__).resolve().parents[2]
+SCREENSHOT = ROOT / "docs" / "screenshot.png"
+CHROMIUM = "/usr/bin/chromium"
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+FINAL = ("done", "error", "cancelled", "invalid")
+MODES = ("greedy", "beam", "sample", "speculative")
+
+pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="needs Debian's chromium (make test installs it)")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with tempfile.TemporaryDirectory(prefix="decodelab-chromium-") as profile, sync_playwright() as pw:
+        ctx = pw.chromium.launch_persistent_context(profile, executable_path=CHROMIUM, headless=True, args=ARGS,
+                                                    viewport={"width": 1600, "height": 1000})
+        ctx.set_default_timeout(15_000)
+        yield ctx
+        ctx.close()
+
+
+@pytest.fixture
+def page(browser):
+    page = browser.new_page()
+    page.errors = []
+    page.on("console", lambda m: page.errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: page.errors.append(str(e)))
+    yield page
+    page.close()
+
+
+def set_number(page, elem_id: str, value) -> None:
+    box = page.locator(f"#{elem_id} input[type=number]")
+    box.fill(str(value))
+    box.press("Tab")
+
+
+def wait_columns_final(page, timeout_ms: int) -> dict[str, str]:
+    page.wait_for_function(
+        """([modes, final]) => modes.every(m => {
+             const el = document.querySelector('#out-' + m + ' .dl-col');
+             return el && final.includes(el.dataset.status); })""", arg=[list(MODES), list(FINAL)], timeout=timeout_ms)
+    return {m: page.locator(f"#out-{m} .dl-col").get_attribute("data-status") for m in MODES}
+
+
+def test_a_run_fills_all_four_columns_the_kv_panel_and_the_summary(smol_stack, page):
+    web, _, _ = smol_stack
+    page.goto(web.url)
+    expect(page.locator("#dl-service")).to_contain_text("1 replica", timeout=10_000)
+    page.locator("#prompt textarea").fill("Explain in three sentences why the sky is blue.")
+    set_number(page, "max-tokens", 40)
+    page.locator("#run").click()
+    expect(page.locator("#out-greedy .dl-col")).to_have_attribute("data-status", re.compile("queued|running|done"))
+    status = wait_columns_final(page, 150_000)
+    assert status["greedy"] == status["sample"] == status["speculative"] == "done", status
+    if status["beam"] != "done":  # an engine without beam search: its error, inline in the column
+        assert status["beam"] == "error"
+        expect(page.locator("#out-beam .err")).to_be_visible()
+
+    for mode in ("greedy", "sample", "speculative"):
+        values = page.locator(f"#out-{mode} .mts").first.locator(".mt b").all_inner_texts()
+        ttft, tps, tpot, tokens, finish = values
+        assert re.fullmatch(r"\d+ ms|\d+\.\d\d s", ttft) and float(tps) > 0 and int(tokens) > 0, values
+        assert finish in ("stop", "length")
+    assert page.locator("#out-speculative .tk.m-target, #out-speculative .tk.m-accepted").count() > 0
+    expect(page.locator("#out-speculative .spec")).to_contain_text("vs greedy")
+
+    kv = page.locator("#kv")
+    expect(kv).to_contain_text("prefix hits")
+    assert kv.locator(".kt").count() == 8
+    assert kv.locator(".bmap i.u, .bmap i.sh").count() > 0  # the run's blocks, on the map
+    expect(kv.locator(".hold").first).to_be_visible()
+    expect(page.locator("#chart img, #chart svg, #chart canvas").first).to_be_visible(timeout=10_000)
+
+    token = page.locator("#out-greedy .txt .tk").nth(3)
+    token.hover()
+    expect(token.locator(".tip")).to_be_visible()
+    expect(token.locator(".tip .alt").first).to_be_visible()
+    page.screenshot(path=str(SCREENSHOT), full_page=True)
+    assert page.errors == []
+
+
+def test_bad_input_shows_inline_errors_within_seconds(tiny_stack, page):
+    web, _, _ = tiny_stack
+    page.goto(web.url)
+    page.locator("#run").click()
+    expect(page.locator("#dl-message .dl-msg.error")).to_contain_text("Type a prompt", timeout=5_000)
+
+    page.locator("#prompt textarea").fill("The capital of France is")
+    page.locator("#chat input[type=checkbox]").uncheck()
+    set_number(page, "beam-width", 2)
+    set_number(page, "beams-shown", 4)
+    page.locator("#run").click()
+    expect(page.locator("#out-beam .err")).to_contain_text("cannot exceed the beam width", timeout=10_000)
+    expect(page.locator("#dl-message .dl-msg")).to_have_count(0)
+    status = wait_columns_final(page, 30_000)
+    assert status["beam"] == "invalid" and status["greedy"] == "done"
+    assert page.errors == []
+
+
+@pytest.mark.parametrize("which, pill, message", [
+    ("engine_down_web", "No engine replica connected", "No engine replica is connected"),
+    ("redis_down_web", "Redis unreachable", "Redis is unreachable"),
+])
+def test_engine_or_redis_down_is_visible_within_seconds(request, page, which, pill, message):
+    web = request.getfixturevalue(which)
+    page.goto(web.url)
+    expect(page.locator("#dl-service")).to_contain_text(pill, timeout=5_000)
+    page.locator("#prompt textarea").fill("Hello")
+    page.locator("#run").click()
+    expect(page.locator("#dl-message .dl-msg.error")).to_contain_text(message, timeout=5_000)
+    assert page.errors == []

@@ -1,0 +1,60 @@
+"""What the playground reads from Redis besides the streams: queue positions, and a replica that goes away."""
+from __future__ import annotations
+
+import asyncio
+
+import redis
+import redis.asyncio as aioredis
+from gradio_client import Client
+
+from shared import monitor
+from shared.client import EngineClient
+from shared.protocol import GenerationRequest
+
+from .conftest import TINY_KV_BLOCKS, WebApp, _keys, wait_until
+
+
+def test_queue_position_counts_the_entries_no_replica_has_taken(redis_server):
+    keys = _keys("queue")
+
+    async def main():
+        r = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+        client = EngineClient(r, keys)
+        subs = [await client.submit(GenerationRequest(prompt="x")) for _ in range(3)]
+        assert [await monitor.queue_position(r, keys, s.entry_id) for s in subs] == [1, 2, 3]
+        await r.xreadgroup(keys.group, "replica-a", {keys.stream: ">"}, count=1)  # a replica takes the first
+        assert [await monitor.queue_position(r, keys, s.entry_id) for s in subs] == [None, 1, 2]
+        for s in subs:
+            await s.pubsub.aclose()
+        await r.aclose()
+
+    asyncio.run(asyncio.wait_for(main(), 10))
+
+
+def test_a_replica_that_goes_away_mid_run_ends_the_run_with_a_message(redis_server, tiny_llama_dir):
+    from engine_service.llm_engine import LLMEngine
+    from engine_service.worker import Worker, WorkerConfig
+
+    keys = _keys("dies")
+    engine = LLMEngine(model=str(tiny_llama_dir), num_kv_blocks=TINY_KV_BLOCKS, max_num_seqs=16, num_threads=1)
+    worker = Worker(engine, WorkerConfig(redis_server.url, keys=keys, name="doomed", model_name="tiny",
+                                         claim_idle_s=2.0)).start()
+    web = WebApp(redis_server.url, keys, replica_gone_s=1.0)
+    try:
+        sync = redis.Redis.from_url(redis_server.url)
+        wait_until(lambda: sync.exists(keys.replica("doomed")), 5, what="the replica's heartbeat")
+        sync.close()
+        client = Client(web.url, verbose=False)
+        job = client.submit(prompt="Once upon a time", chat=False, max_tokens=1000, share=False, beams_shown=1,
+                            model="tiny", api_name="/run")
+        wait_until(lambda: any('data-status="running"' in str(f) for f in job.outputs()), 30, what="streaming")
+        worker.stop()  # heartbeats stop, nothing more is published: to Redis, the replica is gone
+        result = job.result(timeout=20)
+        cols = result[-1]["columns"]
+        assert "engine went down" in result[0]
+        for col in cols.values():
+            assert col["status"] == "error" and "engine went down" in col["error"], col
+    finally:
+        web.close()
+        for rid in list(engine.requests):
+            engine.abort(rid)
