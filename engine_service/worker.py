@@ -291,7 +291,7 @@ class Worker:
             job.spec = out.metrics.spec
         if job.first_token_at is None:
             job.first_token_at = now
-            self.metrics.ttft.observe(now - job.request.created_at)
+            self.metrics.ttft.observe(max(0.0, now - job.request.created_at))  # clocks of other hosts may differ
         elif job.last_token_at is not None:
             self.metrics.itl.observe(now - job.last_token_at)
         job.last_token_at = now
@@ -320,7 +320,7 @@ class Worker:
                           ttft_s=None if job.first_token_at is None else job.first_token_at - created)
         if tpot is not None:
             self.metrics.tpot.observe(tpot)
-        self.metrics.e2e.observe(now - created)
+        self.metrics.e2e.observe(max(0.0, now - created))
         self.metrics.prompt_tokens.inc(job.prompt_tokens)
         return DoneEvent(request_id=job.rid, seq=job.next_seq(), attempt=job.attempt, finish_reason=reason,
                          text=outputs[0].text, outputs=outputs, metrics=metrics)
@@ -367,6 +367,9 @@ class Worker:
                 log.warning("intake: Redis unreachable (%s); retrying in %.1fs", e, delay)
                 time.sleep(delay)
                 delay = min(2 * delay, 2.0)
+            except Exception:  # one bad entry or reply must not stop this replica from pulling
+                log.exception("intake")
+                time.sleep(delay)
 
     def _ensure_group(self) -> None:
         try:
@@ -381,10 +384,19 @@ class Worker:
             resp = self.redis.xautoclaim(self.keys.stream, self.keys.group, self.cfg.name,
                                          int(self.cfg.claim_idle_s * 1000), start_id=start, count=cap)
             start, entries = resp[0], resp[1]
-            claimed.extend(entries)
+            if any(entry_id is None for entry_id, _ in entries):  # Redis 6.2: deleted entries come back as nil
+                self._ack_deleted()
+            claimed.extend(e for e in entries if e[0] is not None)
             if len(claimed) >= cap or start in ("0-0", b"0-0"):
                 break
         return claimed
+
+    def _ack_deleted(self) -> None:
+        """Acknowledge our pending entries whose stream entry no longer exists (someone XDEL'd or trimmed it)."""
+        for p in self.redis.xpending_range(self.keys.stream, self.keys.group, min="-", max="+", count=256,
+                                           consumername=self.cfg.name):
+            if not self.redis.xrange(self.keys.stream, p["message_id"], p["message_id"]):
+                self.redis.xack(self.keys.stream, self.keys.group, p["message_id"])
 
     def _accept(self, entry_id: str, fields: dict | None) -> None:
         fields = fields or {}
@@ -462,7 +474,9 @@ class Worker:
                         self._finish(keys=[self.keys.result(rid), self.keys.events(rid), self.keys.stream,
                                            self.keys.owner(rid)],
                                      args=[self.keys.group, entry_id, payload, self.cfg.result_ttl_s], client=pipe)
-                pipe.execute()
+                for reply in pipe.execute(raise_on_error=False):
+                    if isinstance(reply, Exception):
+                        log.error("publish: Redis refused a command: %s", reply)
                 pending, delay = [], 0.05
             except _CONN_ERRORS as e:
                 # Token events lost in an outage are repaired by clients from the result key; results are kept.
@@ -499,6 +513,9 @@ class Worker:
                 pubsub = None
                 self._stop.wait(delay)
                 delay = min(2 * delay, 2.0)
+            except Exception:  # e.g. a script error: keep cancelling and heart-beating
+                log.exception("control")
+                self._stop.wait(delay)
         if pubsub is not None:
             pubsub.close()
 

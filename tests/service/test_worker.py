@@ -214,3 +214,24 @@ def test_text_accumulator_delivers_append_only_text():
     parts.append(acc.feed(TokenEvent(request_id="r", seq=1, attempt=2, text_delta="xyz", token_ids=[1], reset=True)))
     parts.append(acc.final(0, "abcdef"))
     assert "".join(parts) == "abcdef"
+
+
+def test_entries_left_by_a_dead_consumer_are_claimed_and_run(make_worker, redis_server, keys, sync_redis):
+    async def main():
+        c = _client(redis_server, keys)
+        sub = await c.submit(GenerationRequest(prompt="orphan", params=SamplingOptions(max_tokens=5, **GREEDY)))
+        gone = await c.submit(GenerationRequest(prompt="deleted", params=SamplingOptions(max_tokens=5, **GREEDY)))
+        await gone.pubsub.aclose()
+        sync_redis.xreadgroup(keys.group, "ghost", {keys.stream: ">"}, count=10)  # a consumer that then died
+        sync_redis.xdel(keys.stream, gone.entry_id)  # and an entry removed behind the group's back
+        make_worker(claim_idle_s=0.5)
+        events = [ev async for ev in c.stream(sub, 20)]
+        later = await c.generate(GenerationRequest(prompt="next", params=SamplingOptions(max_tokens=3, **GREEDY)),
+                                 timeout=10)
+        await c.close()
+        return events, later
+
+    events, later = run(main())
+    assert isinstance(events[-1], DoneEvent) and len(events[-1].outputs[0].token_ids) == 5
+    assert isinstance(later, DoneEvent)  # and the replica still serves
+    wait_until(lambda: sync_redis.xpending(keys.stream, keys.group)["pending"] == 0, 5, what="pending list empty")
