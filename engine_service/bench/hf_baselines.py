@@ -22,8 +22,8 @@ def hf_static(model, work: Workload, batch_size: int) -> dict:
     for i in range(0, len(work.prompts), batch_size):
         prompts, outs = work.prompts[i:i + batch_size], work.max_tokens[i:i + batch_size]
         width = max(len(p) for p in prompts)
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
         model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max(outs), min_new_tokens=max(outs))
         computed_decode_slots += len(prompts) * max(outs)
     elapsed = time.perf_counter() - start
