@@ -26,32 +26,10 @@ from engine_service.sampling_params import SamplingParams
 from shared.keys import Keys
 from shared.protocol import (PROTOCOL_VERSION, Completion, DoneEvent, ErrorEvent, GenerationRequest, Metrics,
                              TokenEvent, TokenLogprob, decode_request, encode)
+from shared.scripts import FINISH, HEARTBEAT
 
 log = logging.getLogger("decodelab.worker")
 
-# SET result NX (first finisher wins: exactly one completion), PUBLISH it, ACK + delete the entry.
-_FINISH = """
-local won = redis.call('SET', KEYS[1], ARGV[3], 'NX', 'EX', ARGV[4])
-if won then redis.call('PUBLISH', KEYS[2], ARGV[3]) end
-pcall(redis.call, 'XACK', KEYS[3], ARGV[1], ARGV[2])
-redis.call('XDEL', KEYS[3], ARGV[2])
-redis.call('DEL', KEYS[4])
-return won and 1 or 0
-"""
-# Keep our pending entries from looking idle (XCLAIM to ourselves resets idle time); report lost ones.
-_HEARTBEAT = """
-local lost = {}
-for i = 5, #ARGV, 2 do
-  local ok, p = pcall(redis.call, 'XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
-  if ok and p[1] and p[1][2] ~= ARGV[2] then
-    table.insert(lost, ARGV[i + 1])
-  else
-    if ok and p[1] then redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID') end
-    redis.call('SET', ARGV[3] .. ARGV[i + 1], ARGV[2], 'PX', ARGV[4])
-  end
-end
-return lost
-"""
 _CONN_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
 LATENCY_BUCKETS = (.005, .01, .025, .05, .075, .1, .15, .2, .3, .5, .75, 1, 1.5, 2, 3, 5, 7.5, 10, 20, 40, 80)
 
@@ -137,8 +115,8 @@ class Worker:
         self.metrics = metrics or WorkerMetrics(CollectorRegistry())
         self.redis = redis.Redis.from_url(config.redis_url, decode_responses=True, socket_connect_timeout=2,
                                           socket_timeout=config.read_block_ms / 1000 + 5, health_check_interval=5)
-        self._finish = self.redis.register_script(_FINISH)
-        self._heartbeat = self.redis.register_script(_HEARTBEAT)
+        self._finish = self.redis.register_script(FINISH)
+        self._heartbeat = self.redis.register_script(HEARTBEAT)
         self.jobs: dict[str, Job] = {}  # running on this replica (pulled, not yet finished)
         self._control: queue.Queue = queue.Queue()  # -> engine thread
         self._outbox: queue.Queue = queue.Queue()  # -> publish thread
@@ -218,7 +196,12 @@ class Worker:
                     self.metrics.batch.observe(len(outputs))
                 for out in outputs:
                     if (job := self.jobs.get(out.request_id)) is not None:
-                        self._on_output(job, out, now)
+                        try:
+                            self._on_output(job, out, now)
+                        except Exception as e:  # fail this request, keep the others
+                            log.exception("output of %s", job.rid)
+                            self.engine.abort(job.rid)
+                            self._end(job, self._error(job, "engine_error", f"{type(e).__name__}: {e}"))
             if time.monotonic() - self._stats_at > self.cfg.stats_interval_s:
                 self.stats, self._stats_at = self.engine.stats(), time.monotonic()
                 self._snapshot_kv()
@@ -246,6 +229,10 @@ class Worker:
                 job.started = True
             except (ValueError, TypeError) as e:
                 self._end(job, self._error(job, "invalid_request", str(e)))
+            except Exception as e:  # e.g. a chat template that cannot render these messages
+                log.exception("add_request %s", job.rid)
+                self.engine.abort(job.rid)
+                self._end(job, self._error(job, "engine_error", f"{type(e).__name__}: {e}"))
         elif self.jobs.get(job.rid) is not job or not job.started:
             return  # finished meanwhile, or not in the engine yet (the "add" will see job.cancelled)
         elif op == "cancel":

@@ -18,16 +18,7 @@ from redis.exceptions import RedisError, ResponseError
 from shared.keys import Keys
 from shared.protocol import (PROTOCOL_VERSION, DoneEvent, ErrorEvent, GenerationRequest, TerminalEvent,
                              TokenEvent, decode_event, encode)
-
-# Bounded queue: entries in the stream not yet delivered to any replica (XLEN minus pending).
-_SUBMIT = """
-local ok, pending = pcall(redis.call, 'XPENDING', KEYS[1], ARGV[1])
-local inflight = 0
-if ok then inflight = tonumber(pending[1]) end
-local waiting = redis.call('XLEN', KEYS[1]) - inflight
-if waiting >= tonumber(ARGV[2]) then return {0, tostring(waiting)} end
-return {1, redis.call('XADD', KEYS[1], '*', 'v', ARGV[3], 'id', ARGV[4], 'data', ARGV[5])}
-"""
+from shared.scripts import SUBMIT
 
 
 class QueueFull(Exception):
@@ -100,7 +91,7 @@ class EngineClient:
         self.lost_after = lost_after  # how long a request may be unknown to Redis (no entry, no owner) before `lost`
         self.timeout = timeout  # default overall wait for one request
         self.cancel_ttl = result_ttl
-        self._submit = self.redis.register_script(_SUBMIT)
+        self._submit = self.redis.register_script(SUBMIT)
         self._group_ready = False
 
     async def close(self) -> None:

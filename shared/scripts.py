@@ -1,0 +1,41 @@
+"""The Redis protocol's atomic steps as Lua scripts (see docs/redis-protocol.md)."""
+
+# Client submit with a bounded queue. KEYS: stream. ARGV: group, max waiting, version, request id, request JSON.
+# Waiting = entries not yet delivered to a replica (XLEN minus the group's pending count; done entries are deleted).
+SUBMIT = """
+local ok, pending = pcall(redis.call, 'XPENDING', KEYS[1], ARGV[1])
+local inflight = 0
+if ok then inflight = tonumber(pending[1]) end
+local waiting = redis.call('XLEN', KEYS[1]) - inflight
+if waiting >= tonumber(ARGV[2]) then return {0, tostring(waiting)} end
+return {1, redis.call('XADD', KEYS[1], '*', 'v', ARGV[3], 'id', ARGV[4], 'data', ARGV[5])}
+"""
+
+# Replica finish. KEYS: result, events channel, stream, owner. ARGV: group, entry id, terminal event JSON, ttl s.
+# SET result NX (first finisher wins: exactly one completion), PUBLISH it only then, ACK + delete the entry.
+FINISH = """
+local won = redis.call('SET', KEYS[1], ARGV[3], 'NX', 'EX', ARGV[4])
+if won then redis.call('PUBLISH', KEYS[2], ARGV[3]) end
+pcall(redis.call, 'XACK', KEYS[3], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[3], ARGV[2])
+redis.call('DEL', KEYS[4])
+return won and 1 or 0
+"""
+
+# Replica heartbeat. KEYS: stream. ARGV: group, replica, owner key prefix, owner ttl ms, then (entry id, request id)*.
+# XCLAIM our own pending entries to ourselves (resets their idle time, so nobody reclaims them) and refresh the
+# owner keys; return the request ids another replica claimed meanwhile. An entry Redis no longer knows (after a
+# restart) keeps its owner key, so clients keep waiting for its result.
+HEARTBEAT = """
+local lost = {}
+for i = 5, #ARGV, 2 do
+  local ok, p = pcall(redis.call, 'XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if ok and p[1] and p[1][2] ~= ARGV[2] then
+    table.insert(lost, ARGV[i + 1])
+  else
+    if ok and p[1] then redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID') end
+    redis.call('SET', ARGV[3] .. ARGV[i + 1], ARGV[2], 'PX', ARGV[4])
+  end
+end
+return lost
+"""
