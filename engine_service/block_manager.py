@@ -14,7 +14,9 @@ class Block:
     block_id: int
     ref_count: int = 0
     hash: bytes | None = None  # set once the block is full and registered in the prefix cache
-    token_ids: tuple[int, ...] = ()  # kept to make cache hits collision-safe
+    # kept so that a hit must match the block's tokens and its parent's hash, not just the digest
+    token_ids: tuple[int, ...] = ()
+    parent: bytes | None = None
 
 
 @dataclass
@@ -37,7 +39,8 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        # ref_count == 0 blocks in LRU order: the front is evicted first; cached ones keep their hash
+        # ref_count == 0 blocks in eviction order, front first: blank blocks, then cached ones (which keep
+        # their hash) least recently freed first
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[bytes, int] = {}
         self.stats = BlockStats()
@@ -82,9 +85,7 @@ class BlockManager:
         block = self.blocks[block_id]
         assert block.ref_count == 0
         if block.hash is not None:  # evict from the prefix cache
-            if self.cached.get(block.hash) == block_id:
-                del self.cached[block.hash]
-            block.hash, block.token_ids = None, ()
+            self._uncache(block)
             self.stats.evictions += 1
         block.ref_count = 1
         return block_id
@@ -101,6 +102,13 @@ class BlockManager:
         block.ref_count -= 1
         if block.ref_count == 0:
             self.free_queue[block_id] = None
+            if block.hash is None:  # nothing worth keeping: reuse it before evicting a cached block
+                self.free_queue.move_to_end(block_id, last=False)
+
+    def _uncache(self, block: Block) -> None:
+        if self.cached.get(block.hash) == block.block_id:
+            del self.cached[block.hash]
+        block.hash, block.token_ids, block.parent = None, (), None
 
     def match_prefix(self, seq) -> int:
         """Attach the cached blocks of `seq`'s leading full blocks; returns the number of cached tokens.
@@ -118,7 +126,10 @@ class BlockManager:
             tokens = tuple(seq.token_ids[start:start + bs])
             h = chain_hash(parent, tokens)
             block_id = self.cached.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != tokens:
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            if block.token_ids != tokens or block.parent != parent:  # a digest collision, not a hit
                 break
             hits.append((block_id, h))
             parent = h
@@ -153,6 +164,10 @@ class BlockManager:
             seq.block_table[idx] = dst
             copies.append((src, dst))
             self.stats.cow_copies += 1
+        elif num_new_tokens > 0 and (idx := seq.num_computed_tokens // self.block_size) < len(seq.block_table):
+            block = self.blocks[seq.block_table[idx]]
+            if block.hash is not None:  # a cached block rolled back by truncate: it is about to change
+                self._uncache(block)
         total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
         while len(seq.block_table) < total:
             seq.block_table.append(self._take_free_block())
@@ -167,11 +182,12 @@ class BlockManager:
         while len(seq.block_hashes) < num_full:
             i = len(seq.block_hashes)
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            h = chain_hash(seq.block_hashes[-1] if i else None, tokens)
+            parent = seq.block_hashes[-1] if i else None
+            h = chain_hash(parent, tokens)
             seq.block_hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             if h not in self.cached and block.hash is None:
-                block.hash, block.token_ids = h, tokens
+                block.hash, block.token_ids, block.parent = h, tokens, parent
                 self.cached[h] = block.block_id
 
     def fork(self, parent, child) -> None:
@@ -184,19 +200,17 @@ class BlockManager:
         child.num_computed_tokens = parent.num_computed_tokens
 
     def truncate(self, seq, num_tokens: int) -> None:
-        """Roll back to `num_tokens` computed tokens (rejected speculative tokens), freeing spare blocks."""
+        """Roll back to `num_tokens` computed tokens (rejected speculative tokens), freeing spare blocks.
+
+        A cached block cut in the middle keeps its hash (its K/V are intact) until the next write into
+        it: `allocate` copies it if shared, else uncaches it first.
+        """
         assert num_tokens <= seq.num_computed_tokens
         keep = -(-num_tokens // self.block_size)
         while len(seq.block_table) > keep:
             self._decref(seq.block_table.pop())
         del seq.block_hashes[num_tokens // self.block_size:]
         seq.num_computed_tokens = num_tokens
-        if num_tokens % self.block_size and seq.block_table:
-            block = self.blocks[seq.block_table[-1]]
-            if block.hash is not None and block.ref_count == 1:  # about to be rewritten: uncache it
-                if self.cached.get(block.hash) == block.block_id:
-                    del self.cached[block.hash]
-                block.hash, block.token_ids = None, ()
 
     def free(self, seq) -> None:
         # the tail goes to the free queue first, so it is evicted before the (more shareable) head

@@ -4,7 +4,7 @@ repetition penalty -> (min_tokens EOS mask) -> temperature -> top-k -> top-p -> 
 Seeded rows draw their noise from their own generator, so a seeded request gives the same tokens
 whatever else is in the batch (the exponential-race trick: argmax(p / E), E ~ Exp(1), samples p).
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -21,6 +21,14 @@ class SamplingBatch:
     generators: list[torch.Generator | None]
     num_logprobs: int  # max top-N logprobs asked by any row
 
+    def to(self, device: torch.device) -> "SamplingBatch":
+        """The per-row tensors on the logits' device (the engine builds them on the CPU)."""
+        if self.temperature.device == device:
+            return self
+        return replace(self, **{name: getattr(self, name).to(device) for name in (
+            "temperature", "top_k", "top_p", "min_p", "repetition_penalty")},
+            seen_tokens=None if self.seen_tokens is None else self.seen_tokens.to(device))
+
 
 @dataclass
 class SamplerOutput:
@@ -31,17 +39,19 @@ class SamplerOutput:
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
-    ids = seen.clamp_min(0)
-    picked = logits.gather(1, ids)
+    # a mask, not gather/scatter: padding (-1) scattered onto a real id could overwrite its penalty
+    vocab = logits.shape[1]
+    mask = torch.zeros(logits.shape[0], vocab + 1, dtype=torch.bool, device=logits.device)
+    mask.scatter_(1, torch.where(seen >= 0, seen, vocab), True)
     p = penalty[:, None]
-    picked = torch.where(picked < 0, picked * p, picked / p)
-    picked = torch.where(seen >= 0, picked, logits.gather(1, ids))  # padding leaves logits unchanged
-    return logits.scatter(1, ids, picked)
+    penalised = torch.where(logits < 0, logits * p, logits / p)
+    return torch.where(mask[:, :vocab], penalised, logits)
 
 
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    # top_k may stay on the CPU: its max sizes the topk without a device sync
     k = torch.where(top_k > 0, top_k, logits.shape[1]).clamp_max(logits.shape[1])
-    kth = logits.topk(int(k.max()), dim=1).values.gather(1, (k - 1)[:, None])
+    kth = logits.topk(int(k.max()), dim=1).values.gather(1, (k - 1)[:, None].to(logits.device))
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
@@ -62,6 +72,9 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 def process_logits(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     """Everything HF's processors do before the final softmax (greedy rows keep temperature 1)."""
+    top_k = b.top_k  # flags and sizes from the batch as built (on the CPU): no device syncs
+    use_top_k, use_top_p, use_min_p = bool((top_k > 0).any()), bool((b.top_p < 1).any()), bool((b.min_p > 0).any())
+    b = b.to(logits.device)
     if b.seen_tokens is not None:
         logits = apply_repetition_penalty(logits, b.seen_tokens, b.repetition_penalty)
     for row, banned in enumerate(b.banned_tokens):
@@ -69,11 +82,11 @@ def process_logits(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
             logits[row, banned] = float("-inf")
     temp = torch.where(b.temperature > 0, b.temperature, 1.0)
     logits = logits / temp[:, None]
-    if bool((b.top_k > 0).any()):
-        logits = apply_top_k(logits, b.top_k)
-    if bool((b.top_p < 1).any()):
+    if use_top_k:
+        logits = apply_top_k(logits, top_k)
+    if use_top_p:
         logits = apply_top_p(logits, b.top_p)
-    if bool((b.min_p > 0).any()):
+    if use_min_p:
         logits = apply_min_p(logits, b.min_p)
     return logits
 
@@ -81,14 +94,16 @@ def process_logits(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
 def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
     raw_logprobs = logits.log_softmax(dim=1)
     processed = process_logits(logits.clone() if any(b.banned_tokens) else logits, b)
-    greedy = b.temperature == 0
+    all_greedy = bool((b.temperature == 0).all())
+    greedy = b.temperature.to(logits.device) == 0
     tokens = processed.argmax(dim=1)
-    if not bool(greedy.all()):
+    if not all_greedy:
         probs = processed.softmax(dim=1)
         noise = torch.empty_like(probs).exponential_()
         for row, gen in enumerate(b.generators):
-            if gen is not None:
-                noise[row].exponential_(generator=gen)
+            if gen is not None:  # drawn where the generator lives: a seed gives the same noise on any device
+                noise[row] = torch.empty(probs.shape[1], dtype=probs.dtype, device=gen.device).exponential_(
+                    generator=gen)
         sampled = (probs / noise).argmax(dim=1)
         tokens = torch.where(greedy, tokens, sampled)
     chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
