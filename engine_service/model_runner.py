@@ -145,5 +145,5 @@ def _rope_buffers(model: CausalLM, hf_config) -> tuple[torch.Tensor, torch.Tenso
 
 def set_threads(num_threads: int | None) -> None:
     """Keep torch from oversubscribing the cores it shares with Redis, the web UI, a browser."""
-    n = num_threads or int(os.environ.get("DECODELAB_NUM_THREADS", "0")) or os.cpu_count() or 1
-    torch.set_num_threads(n)
+    n = num_threads or int(os.environ.get("DECODELAB_NUM_THREADS", "0") or os.environ.get("OMP_NUM_THREADS", "0"))
+    torch.set_num_threads(n or os.cpu_count() or 1)
