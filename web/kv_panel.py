@@ -37,24 +37,34 @@ def counters_html(s: KVSnapshot) -> str:
     ]) + "</div>"
 
 
-def _owner_label(owners: dict[str, str], rid: str, index: int) -> tuple[str, str]:
-    mode = owners.get(rid)
-    if mode is None:
-        return f"other {rid[:6]}", OTHER
-    return (f"{mode} #{index + 1}" if index else mode), MODE_COLORS.get(mode, OTHER)
+def _labels(s: KVSnapshot, owners: dict[str, str]) -> list[tuple[str, str]]:
+    """(label, colour) per sequence: the column's mode, numbered when a request has several (beams, samples)."""
+    per_request: dict[str, int] = {}
+    for q in s.seqs:
+        per_request[q.request_id] = per_request.get(q.request_id, 0) + 1
+    seen: dict[str, int] = {}
+    out = []
+    for q in s.seqs:
+        mode = owners.get(q.request_id)
+        name = mode or f"other {q.request_id[:6]}"
+        seen[q.request_id] = seen.get(q.request_id, 0) + 1
+        if per_request[q.request_id] > 1:
+            name += f" {seen[q.request_id]}/{per_request[q.request_id]}"
+        out.append((name, MODE_COLORS.get(mode, OTHER) if mode else OTHER))
+    return out
 
 
 def block_map_html(s: KVSnapshot, owners: dict[str, str]) -> str:
     holders: dict[int, list[tuple[str, str]]] = {}
-    for q in s.seqs:
+    for q, label in zip(s.seqs, _labels(s, owners)):
         for b in q.blocks:
             if b < s.map_size:
-                holders.setdefault(b, []).append(_owner_label(owners, q.request_id, q.index))
+                holders.setdefault(b, []).append(label)
     cached = set(s.cached)
     cells = []
     for b in range(s.map_size):
         hs = holders.get(b, [])
-        flags = (" cached" if b in cached else "")
+        flags = " · prefix-cached" if b in cached else ""
         if not hs:
             cls, style = ("c" if b in cached else "f"), ""
             title = f"block {b}: " + ("free, in the prefix cache (reusable)" if b in cached else "free")
@@ -76,10 +86,10 @@ def holders_html(s: KVSnapshot, owners: dict[str, str]) -> str:
     for q in s.seqs:
         for b in q.blocks:
             refs[b] = refs.get(b, 0) + 1
+    order = list(owners)
     rows = []
-    for q in sorted(s.seqs, key=lambda q: (q.request_id not in owners, list(owners).index(q.request_id)
-                                             if q.request_id in owners else 0, q.index)):
-        label, color = _owner_label(owners, q.request_id, q.index)
+    for q, (label, color) in sorted(zip(s.seqs, _labels(s, owners)), key=lambda x: (
+            x[0].request_id not in owners, order.index(x[0].request_id) if x[0].request_id in owners else 0)):
         shared = sum(1 for b in q.blocks if refs[b] > 1)
         hit = f" · prompt from cache: {q.cached_prompt_tokens} tok" if q.cached_prompt_tokens else ""
         rows.append(f'<div class="hold"><i style="background:{color}"></i><b>{escape(label)}</b> '
@@ -108,7 +118,8 @@ def kv_panel_html(live: list[KVSnapshot], owners: dict[str, str] | None = None, 
         if not running and peak is not None and peak.replica == s.replica:
             show, caption = peak, "at this run's busiest moment"
         model = f" · {escape(s.model)}" if s.model else ""
-        parts.append(f'<div class="kv-rep"><div class="kv-title">Replica <b>{escape(s.replica)}</b>{model}</div>'
+        parts.append(f'<div class="kv-rep"><div class="kv-title">Replica <b>{escape(s.replica)}</b>{model} · '
+                     f'<small>counters: now</small></div>'
                      f'{counters_html(s)}<div class="kv-body"><div class="kv-map"><div class="sect">Block map '
                      f'<small>({caption})</small></div>{block_map_html(show, owners)}{LEGEND}</div>'
                      f'<div class="kv-hold"><div class="sect">Who holds what <small>({caption})</small></div>'

@@ -107,17 +107,37 @@ def _spec_html(col: Column, greedy: Column | None, k: int) -> str:
             '</div></div>')
 
 
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def _beams_html(col: Column) -> str:
+    """Every beam after the best shows only where it leaves the best one: beams share their prefix (and its
+    KV blocks)."""
     outs = sorted(col.outputs.values(), key=lambda o: o.index)
     if len(outs) < 2:
         return ""
+    best = outs[0]
     rows = []
     for o in outs:
-        score = o.score if o.score is not None else None
+        if o is best:
+            body = f'<span class="dim">the text above · {len(o.token_ids)} tokens</span>'
+        else:
+            same = _common_prefix(o.token_ids, best.token_ids)
+            tail = o.tokens[same:] if len(o.tokens) == len(o.token_ids) else o.tokens
+            if len(tail) == len(o.tokens):
+                same = 0
+            body = (f'<span class="same" title="identical to #1 up to here">…{same} tokens as #1…</span>' if same
+                    else "") + ("".join(_token(t) for t in tail) or '<span class="dim">(a prefix of #1)</span>')
         rows.append(f'<div class="beam"><span class="rank">#{o.index + 1}</span>'
-                    f'<span class="score" title="length-penalised score / cumulative logprob">'
-                    f'{_num(score, ".3f")} <small>{_num(o.cumulative_logprob, ".2f")}</small></span>'
-                    f'<div class="btext">{tokens_html(o)}</div></div>')
+                    f'<span class="score" title="length-penalised score · cumulative logprob">'
+                    f'{_num(o.score, ".3f")} <small>{_num(o.cumulative_logprob, ".1f")}</small></span>'
+                    f'<div class="btext">{body}</div></div>')
     return '<div class="sect">Top beams <small>score · cumulative logprob</small></div>' + "".join(rows)
 
 
