@@ -190,7 +190,11 @@ async def _serve(state: ServiceState, body, request: GenerationRequest, chat: bo
             if not finished:  # the HTTP client went away: stop the generation
                 with anyio.CancelScope(shield=True):
                     await client.cancel(rid)
-    return StreamingResponse(_sse(state, sub, rid, model, chat, want_logprobs), media_type="text/event-stream")
+    # Beams are rewritten as they overtake each other, which an append-only SSE stream cannot show: a beam
+    # request streams its outputs once they are final.
+    stream_tokens = request.params.mode != "beam"
+    return StreamingResponse(_sse(state, sub, rid, model, chat, want_logprobs, stream_tokens),
+                             media_type="text/event-stream")
 
 
 def _raise_on_error(ev) -> None:
@@ -199,7 +203,8 @@ def _raise_on_error(ev) -> None:
         raise APIError(status, ev.message, "invalid_request_error" if status < 500 else "server_error", ev.code)
 
 
-async def _sse(state: ServiceState, sub, rid: str, model: str, chat: bool, want_logprobs: bool) -> AsyncIterator[str]:
+async def _sse(state: ServiceState, sub, rid: str, model: str, chat: bool, want_logprobs: bool,
+               stream_tokens: bool) -> AsyncIterator[str]:
     def data(obj: dict) -> str:
         return f"data: {json.dumps(obj)}\n\n"
 
@@ -221,13 +226,16 @@ async def _sse(state: ServiceState, sub, rid: str, model: str, chat: bool, want_
     try:
         async for ev in state.client.stream(sub, state.request_timeout):
             if isinstance(ev, TokenEvent):
+                if not stream_tokens:
+                    continue
                 delta = text.feed(ev)
                 if delta:
                     yield chunk(ev.index, delta, logprobs=None if ev.reset else ev.logprobs)
             elif isinstance(ev, DoneEvent):
                 finished = True
                 for c in ev.outputs:
-                    yield chunk(c.index, text.final(c.index, c.text), c.finish_reason)
+                    yield chunk(c.index, text.final(c.index, c.text), c.finish_reason,
+                                logprobs=None if stream_tokens else c.logprobs)
             else:
                 finished = True
                 yield data(error_body(ev.message, "server_error", ev.code))

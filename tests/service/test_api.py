@@ -188,3 +188,18 @@ def test_metrics_expose_latencies_blocks_and_queue(api):
     assert 0 <= families["decodelab_prefix_cache_hit_rate"].samples[0].value <= 1
     for name in ("decodelab_preemptions", "decodelab_queue_length", "decodelab_num_running"):
         assert name in families, name
+
+
+def test_beam_search_streams_its_final_beams(api):
+    _, http = api
+    body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 10, "mode": "beam", "beam_width": 3,
+            "n": 2, "temperature": 0, "ignore_eos": True}
+    plain = http.post("/v1/completions", json=body).json()["choices"]
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        chunks = _sse(r)
+    streamed = {}
+    for c in chunks:
+        choice = c["choices"][0]
+        streamed[choice["index"]] = streamed.get(choice["index"], "") + choice["text"]
+    assert [streamed[i] for i in (0, 1)] == [c["text"] for c in plain]
+    assert plain[0]["text"] != plain[1]["text"]

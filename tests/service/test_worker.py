@@ -235,3 +235,33 @@ def test_entries_left_by_a_dead_consumer_are_claimed_and_run(make_worker, redis_
     assert isinstance(events[-1], DoneEvent) and len(events[-1].outputs[0].token_ids) == 5
     assert isinstance(later, DoneEvent)  # and the replica still serves
     wait_until(lambda: sync_redis.xpending(keys.stream, keys.group)["pending"] == 0, 5, what="pending list empty")
+
+
+def test_beam_and_speculative_modes_through_redis(worker, redis_server, keys, reference_engine):
+    prompt = "The quick brown fox"
+    beam = dict(mode="beam", beam_width=3, n=2, temperature=0, max_tokens=10, ignore_eos=True)
+    spec = dict(mode="speculative", proposer="ngram", num_speculative_tokens=3, temperature=0, max_tokens=24,
+                ignore_eos=True)
+    want_beam = [o.text for o in reference_engine.generate([prompt], SamplingParams(**beam))[0].outputs]
+    want_greedy = _expected(reference_engine, prompt, max_tokens=24, **GREEDY)
+
+    async def main():
+        c = _client(redis_server, keys)
+        results = [await _collect(c, GenerationRequest(prompt=prompt, params=SamplingOptions(**p)))
+                   for p in (beam, spec)]
+        await c.close()
+        return results
+
+    (_, beam_events), (_, spec_events) = run(main())
+    done = beam_events[-1]
+    assert isinstance(done, DoneEvent) and [o.text for o in done.outputs] == want_beam
+    assert all(o.score is not None for o in done.outputs)
+    shown: dict[int, str] = {}  # beams are rewritten as they overtake each other: `reset` events say so
+    for e in beam_events[:-1]:
+        shown[e.index] = e.text_delta if e.reset else shown.get(e.index, "") + e.text_delta
+    assert any(e.reset for e in beam_events[:-1]) and [shown[i] for i in sorted(shown)] == want_beam
+    done = spec_events[-1]
+    assert isinstance(done, DoneEvent) and done.text == want_greedy  # speculative greedy == plain greedy
+    marks = [m for e in spec_events[:-1] for m in e.spec]
+    assert len(marks) == 24 and set(marks) <= {"accepted", "resampled", "bonus", "target"}
+    assert done.metrics.spec is not None
