@@ -62,18 +62,22 @@ def test_a_run_fills_all_four_columns_the_kv_panel_and_the_summary(smol_stack, p
     page.locator("#run").click()
     expect(page.locator("#out-greedy .dl-col")).to_have_attribute("data-status", re.compile("queued|running|done"))
     status = wait_columns_final(page, 150_000)
-    assert status["greedy"] == status["sample"] == status["speculative"] == "done", status
-    if status["beam"] != "done":  # an engine without beam search: its error, inline in the column
-        assert status["beam"] == "error"
-        expect(page.locator("#out-beam .err")).to_be_visible()
+    assert status["greedy"] == status["sample"] == "done", status
+    for mode in ("beam", "speculative"):
+        if status[mode] != "done":  # an engine build without this mode: its error, inline in the column
+            assert status[mode] == "error", status
+            expect(page.locator(f"#out-{mode} .err")).to_be_visible()
 
-    for mode in ("greedy", "sample", "speculative"):
+    for mode in [m for m in ("greedy", "sample", "speculative") if status[m] == "done"]:
         values = page.locator(f"#out-{mode} .mts").first.locator(".mt b").all_inner_texts()
         ttft, tps, tpot, tokens, finish = values
         assert re.fullmatch(r"\d+ ms|\d+\.\d\d s", ttft) and float(tps) > 0 and int(tokens) > 0, values
         assert finish in ("stop", "length")
-    assert page.locator("#out-speculative .tk.m-target, #out-speculative .tk.m-accepted").count() > 0
-    expect(page.locator("#out-speculative .spec")).to_contain_text("vs greedy")
+    if status["speculative"] == "done":
+        assert page.locator("#out-speculative .tk.m-target, #out-speculative .tk.m-accepted").count() > 0
+        expect(page.locator("#out-speculative .spec")).to_contain_text("vs greedy")
+    if status["beam"] == "done":
+        assert page.locator("#out-beam .beam").count() == 3  # beams shown: 3 (the default)
 
     kv = page.locator("#kv")
     expect(kv).to_contain_text("prefix hits")
