@@ -17,6 +17,15 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[])
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--logprobs", type=int, default=None)
+    p.add_argument("--beam-width", type=int, default=None, help="--mode beam: beams kept per step (default 4)")
+    p.add_argument("--length-penalty", type=float, default=1.0, help="beam score = logprob / length ** this")
+    p.add_argument("--early-stopping", default="false", choices=["true", "false", "never"],
+                   help="beam search stopping rule, as in Hugging Face generate")
+    p.add_argument("--proposer", default="ngram", choices=["ngram", "draft"],
+                   help="--mode speculative: n-gram prompt lookup or the engine's --draft-model")
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--ngram-min", type=int, default=1)
+    p.add_argument("--ngram-max", type=int, default=3)
 
 
 def sampling_params_from_args(args):
@@ -26,10 +35,15 @@ def sampling_params_from_args(args):
     if temperature is None:
         temperature = 1.0 if args.mode == "sample" else 0.0
     mode = args.mode or ("greedy" if temperature == 0 else "sample")
+    beam_width = args.beam_width or (max(4, args.n) if mode == "beam" else 1)
+    early_stopping = {"true": True, "false": False, "never": "never"}[args.early_stopping]
     return SamplingParams(mode=mode, n=args.n, temperature=temperature, top_k=args.top_k, top_p=args.top_p,
                           min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
                           stop=args.stop, ignore_eos=args.ignore_eos, max_tokens=args.max_tokens,
-                          logprobs=args.logprobs)
+                          logprobs=args.logprobs, beam_width=beam_width, length_penalty=args.length_penalty,
+                          early_stopping=early_stopping, proposer=args.proposer,
+                          num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min,
+                          ngram_max=args.ngram_max)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -96,6 +110,7 @@ def cmd_generate(args) -> int:
                 "outputs": [{"token_ids": o.token_ids, "text": o.text, "finish_reason": o.finish_reason,
                              "cumulative_logprob": o.cumulative_logprob,
                              **({"score": o.score} if o.score is not None else {}),
+                             **({"spec_marks": o.spec_marks} if o.spec_marks is not None else {}),
                              **({"logprobs": [{str(k): v for k, v in d.items()} for d in o.logprobs]}
                                 if o.logprobs is not None else {})}
                             for o in out.outputs],
@@ -104,8 +119,12 @@ def cmd_generate(args) -> int:
         else:
             for o in out.outputs:
                 label = f"[{o.index}] " if len(out.outputs) > 1 else ""
+                beam = f"  cumulative_logprob={o.cumulative_logprob:.4f} score={o.score:.4f}" if o.score is not None else ""
                 print(f"{label}{out.prompt if out.prompt is not None else out.prompt_token_ids!r}"
-                      f"\033[1m{o.text}\033[0m  ({o.finish_reason})", flush=True)
+                      f"\033[1m{o.text}\033[0m  ({o.finish_reason}){beam}", flush=True)
+            if out.metrics.spec is not None:
+                print("spec: " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                                          for k, v in out.metrics.spec.items()), flush=True)
     return 0
 
 

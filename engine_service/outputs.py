@@ -10,6 +10,10 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None  # per generated token: {token_id: logprob} (top-N + chosen)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     score: float | None = None  # beam search: the length-penalised beam score
+    # speculative decoding, one mark per generated token: "accepted" (a draft token the target kept),
+    # "resampled" (drawn by the target after a rejection), "bonus" (drawn after all k were accepted),
+    # "target" (decoded without a proposal: the first token, or no n-gram match)
+    spec_marks: list[str] | None = None
 
 
 @dataclass

@@ -26,8 +26,10 @@ class SamplingParams:
     beam_width: int = 1
     length_penalty: float = 1.0
     early_stopping: bool | str = False
-    proposer: str = "ngram"
+    proposer: str = "ngram"  # speculative: "ngram" (prompt lookup) or "draft" (the engine's draft_model)
     num_speculative_tokens: int = 4
+    ngram_min: int = 1  # n-gram proposer: shortest / longest suffix looked up in the context
+    ngram_max: int = 3
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -38,7 +40,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.mode == "greedy" or self.temperature == 0
+        """Argmax decoding (greedy mode, or sample/speculative at temperature 0); beam search is separate."""
+        return self.mode == "greedy" or (self.mode != "beam" and self.temperature == 0)
 
     def validate(self) -> None:
         def bad(name: str, why: str) -> None:
@@ -77,7 +80,29 @@ class SamplingParams:
             bad("proposer", f"must be 'draft' or 'ngram', got {self.proposer!r}")
         if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
             bad("num_speculative_tokens", f"must be in [1, 16], got {self.num_speculative_tokens!r}")
-        if self.mode == "beam" and self.n > self.beam_width:
-            bad("n", f"beam search returns at most beam_width={self.beam_width} beams, got n={self.n}")
+        if not isinstance(self.ngram_min, int) or not isinstance(self.ngram_max, int) \
+                or not 1 <= self.ngram_min <= self.ngram_max <= 16:
+            bad("ngram_min", f"need 1 <= ngram_min <= ngram_max <= 16, got {self.ngram_min!r}, {self.ngram_max!r}")
+        if self.mode == "beam":
+            self._validate_beam(bad)
+        elif self.beam_width != 1:
+            bad("beam_width", f"only mode='beam' uses beam_width; got {self.beam_width} with mode={self.mode!r}")
+        if self.mode == "speculative" and self.n != 1:
+            bad("n", "speculative decoding gives one output per request; use n=1")
         if self.mode == "greedy" and self.n > 1:
             bad("n", "greedy decoding gives one output; use mode='sample' or 'beam' for n > 1")
+
+    def _validate_beam(self, bad) -> None:
+        # HF generate(num_beams=W, do_sample=False): deterministic, so the sampling knobs must stay neutral
+        if self.temperature not in (0, 1):
+            bad("temperature", f"beam search is deterministic (HF do_sample=False): use 0 or 1 (both mean "
+                               f"no temperature), got {self.temperature!r}")
+        for name, neutral in (("top_k", -1), ("top_p", 1.0), ("min_p", 0.0)):
+            if getattr(self, name) != neutral:
+                bad(name, f"only sampling uses {name}; beam search needs the default {neutral}")
+        if self.stop:
+            bad("stop", "stop strings are not supported with beam search; use stop_token_ids")
+        if not isinstance(self.length_penalty, (int, float)) or not math.isfinite(self.length_penalty):
+            bad("length_penalty", f"must be a finite number, got {self.length_penalty!r}")
+        if self.n > self.beam_width:
+            bad("n", f"beam search returns at most beam_width={self.beam_width} beams, got n={self.n}")

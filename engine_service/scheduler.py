@@ -3,7 +3,8 @@
 One rule covers prefill, chunked prefill, prefix hits and decode: each running sequence's
 `num_computed_tokens` catches up to its `num_tokens`, as far as the step's token budget allows.
 Running sequences go first (oldest first), then waiting ones join while blocks and seats last.
-When blocks run out the newest running sequence is preempted by recompute.
+When blocks run out the newest running sequence is preempted by recompute. The live beams of a
+beam request are one unit: admitted, scheduled and preempted together.
 """
 from collections import deque
 from dataclasses import dataclass, field
@@ -51,47 +52,103 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch()
-        budget = self.max_num_batched_tokens
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            assert n > 0, "a running sequence always has a token to compute"
-            while not self.bm.can_allocate(seq, n):
-                victim = self.running[-1]
-                self._preempt(victim)
-                batch.preempted.append(victim)
-                if victim is seq:
-                    break
+    def _running_units(self) -> list[list[Sequence]]:
+        """The live beams of a beam request form one unit, scheduled and preempted together; any other
+        sequence is a unit of its own. Units keep the running order (oldest first)."""
+        units, groups = [], {}
+        for seq in self.running:
+            if seq.request.beam is None:
+                units.append([seq])
+            elif id(seq.request) in groups:
+                groups[id(seq.request)].append(seq)
             else:
+                groups[id(seq.request)] = [seq]
+                units.append(groups[id(seq.request)])
+        return units
+
+    def _waiting_unit(self) -> list[Sequence]:
+        head = self.waiting[0]
+        if head.request.beam is None:
+            return [head]
+        unit = []
+        for seq in self.waiting:  # a preempted beam group went back to the front as one block
+            if seq.request is not head.request:
+                break
+            unit.append(seq)
+        return unit
+
+    def _blocks_needed(self, todo: list[tuple[Sequence, int]]) -> int:
+        """Free blocks that allocating `todo` in order takes: several writers into one shared last block
+        copy it only until the last holder is left (it then writes in place)."""
+        need = sum(self.bm.blocks_needed(seq, n) for seq, n in todo)
+        writers: dict[int, int] = {}
+        for seq, n in todo:
+            idx = seq.num_computed_tokens // self.bm.block_size
+            if n > 0 and idx < len(seq.block_table):
+                writers[seq.block_table[idx]] = writers.get(seq.block_table[idx], 0) + 1
+        for block_id, m in writers.items():
+            ref = self.bm.blocks[block_id].ref_count
+            if ref > 1:
+                need -= max(0, m - (ref - 1))
+        return need
+
+    def _take(self, batch: ScheduledBatch, todo: list[tuple[Sequence, int]]) -> None:
+        for seq, n in todo:
+            if n > 0:
                 batch.copies += self.bm.allocate(seq, n)
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(n)
-                budget -= n
-                i += 1
+
+    @staticmethod
+    def _split(unit: list[Sequence], budget: int) -> tuple[list[tuple[Sequence, int]], int]:
+        todo = []
+        for seq in unit:
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            todo.append((seq, n))
+            budget -= n
+        return todo, budget
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        units = self._running_units()
+        while units and budget > 0:
+            unit = units[0]
+            todo, left = self._split(unit, budget)
+            # a beam whose siblings are still catching up (after a recompute) may have nothing to compute
+            assert all(n > 0 or seq.request.beam is not None for seq, n in todo), \
+                "a running sequence always has a token to compute"
+            if self._blocks_needed(todo) > self.bm.num_free_blocks:
+                victim = units.pop()
+                for seq in reversed(victim):  # back to the front of the queue in order
+                    self._preempt(seq)
+                    batch.preempted.append(seq)
+                if victim is unit:
+                    break
                 continue
-            break
+            units.pop(0)
+            self._take(batch, todo)
+            budget = left
         if batch.preempted:  # no room to spare this step
             return batch
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if seq.num_computed_tokens == 0 and not seq.block_table:
-                cached = self.bm.match_prefix(seq)
-                if seq.request.first_scheduled_time is None:
-                    seq.request.num_cached_tokens = cached
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.bm.can_allocate(seq, n):
-                self.bm.free(seq)  # give back the prefix hits; try again next step
+            unit = self._waiting_unit()
+            for seq in unit:
+                if seq.num_computed_tokens == 0 and not seq.block_table:
+                    cached = self.bm.match_prefix(seq)
+                    if seq.request.first_scheduled_time is None:
+                        seq.request.num_cached_tokens = cached
+            todo, left = self._split(unit, budget)
+            if self._blocks_needed(todo) > self.bm.num_free_blocks:
+                for seq in unit:
+                    self.bm.free(seq)  # give back the prefix hits; try again next step
                 break
-            self.waiting.popleft()
-            batch.copies += self.bm.allocate(seq, n)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(n)
-            budget -= n
+            for seq in unit:
+                self.waiting.popleft()
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+            self._take(batch, todo)
+            budget = left
         return batch
 
     def finish(self, seq: Sequence) -> None:

@@ -33,6 +33,10 @@ class Sequence:
     # incremental detokenisation offsets into the output ids (see llm_engine._detokenize)
     prefix_offset: int = 0
     read_offset: int = 0
+    # speculative decoding: the last num_draft_tokens of token_ids are proposals awaiting verification
+    num_draft_tokens: int = 0
+    draft_probs: torch.Tensor | None = None  # [num_draft_tokens, vocab] draft-model probabilities (None: n-gram)
+    spec_marks: list[str] | None = None  # per generated token, see CompletionOutput.spec_marks
 
     @property
     def num_tokens(self) -> int:
@@ -69,7 +73,11 @@ class Request:
     finished_time: float | None = None
     num_cached_tokens: int = 0
     forked: bool = False  # n > 1: the children were forked off the prompt
+    beam: "BeamSearch | None" = None  # mode="beam": the search state; seqs are then its live beams
+    spec: "SpecStats | None" = None  # mode="speculative": proposal / acceptance counters
 
     @property
     def is_finished(self) -> bool:
+        if self.beam is not None:
+            return self.beam.done
         return all(s.is_finished for s in self.seqs) and (self.forked or self.params.n == 1)
