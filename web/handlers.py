@@ -14,6 +14,7 @@ from web.render import column_html, message_html
 from web.session import Run, Service
 
 MAX_SESSIONS = 1000
+BYTES_PER_S = 400_000  # streaming budget per browser: big frames (long outputs with hover data) come less often
 
 
 def _where(url: str) -> str:
@@ -71,14 +72,14 @@ class Handlers:
         if (previous := self.runs.get(session)) is not None and not previous.finished:
             previous.stop()
         self._remember(session, run)
-        seen: dict[str, int] = {}
+        seen: dict = {}
         first = True
         async for _ in run.updates():
             yield self._frame(run, seen, clear=first)
             first = False
         yield self._frame(run, seen, final=True)
 
-    def _frame(self, run: Run, seen: dict[str, int], clear: bool = False, final: bool = False) -> tuple:
+    def _frame(self, run: Run, seen: dict, clear: bool = False, final: bool = False) -> tuple:
         cols = run.columns
         k = int(run.settings.spec_k or 1)
         htmls = []
@@ -91,6 +92,11 @@ class Handlers:
             htmls.append(column_html(cols[m], cols["greedy"], k))
         owners = {c.request_id: m for m, c in cols.items() if c.request is not None}
         kv = kv_panel_html(run.kv, owners, run.kv_peak, running=not final)
+        if kv == seen.get("kv") and not final:
+            kv = gr.skip()
+        else:
+            seen["kv"] = kv
+        run.pace = sum(len(x) for x in (*htmls, kv) if isinstance(x, str)) / BYTES_PER_S
         if final:
             msg = message_html(run.message) if run.message else ""
             fig = summary_figure([cols[m] for m in MODES])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -19,6 +20,7 @@ from shared.monitor import KVSnapshot
 from web.columns import Column
 from web.modes import MODES, InputError, Settings, build_request
 
+log = logging.getLogger("decodelab.web")
 REPLICA_GONE_S = 6.0  # no replica heartbeat this long while requests are out: the engine is down
 REDIS_GONE_S = 4.0
 STOP_GRACE_S = 3.0  # after Stop, wait this long for the replica's "cancelled" before closing columns ourselves
@@ -72,6 +74,7 @@ class Run:
         self._tasks: list[asyncio.Task] = []
         self._prefilled = asyncio.Event()
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.pace = 0.0  # the caller's minimum pause before the next update (e.g. from the size of the last one)
 
     @property
     def finished(self) -> bool:
@@ -84,10 +87,10 @@ class Run:
             self._tasks.append(asyncio.create_task(self._cancel_quietly()))
             self._changed.set()
 
-    async def _cancel_quietly(self) -> None:
+    async def _cancel_quietly(self, columns: list[Column] | None = None) -> None:
         client = self.service.client()
-        for col in self.columns.values():
-            if col.request is not None and not col.finished:
+        for col in columns if columns is not None else self.columns.values():
+            if col.request is not None and (columns is not None or not col.finished):
                 with contextlib.suppress(RedisError, OSError, asyncio.TimeoutError):
                     await asyncio.wait_for(client.cancel(col.request_id), 2.0)
         self._changed.set()
@@ -117,7 +120,7 @@ class Run:
                         if not col.finished:
                             col.fail("stopped before the replica confirmed", "cancelled", "cancelled")
                 yield
-                await asyncio.sleep(min_interval)
+                await asyncio.sleep(max(min_interval, self.pace))
             self.kv = await self.service.kv()
             yield
         finally:
@@ -146,12 +149,14 @@ class Run:
             col.status = "queued"
         col.submitted_at = col.request.created_at
         try:
-            sub = await asyncio.wait_for(client.submit(col.request), 5.0)
-        except QueueFull as e:
-            col.fail(str(e), "queue_full")
-        except (RedisError, OSError, asyncio.TimeoutError) as e:
-            col.fail(f"Redis unreachable: {e or type(e).__name__}", "unavailable")
-        else:
+            try:
+                sub = await asyncio.wait_for(client.submit(col.request), 5.0)
+            except QueueFull as e:
+                col.fail(str(e), "queue_full")
+                return
+            except (RedisError, OSError, asyncio.TimeoutError) as e:
+                col.fail(f"Redis unreachable: {e or type(e).__name__}", "unavailable")
+                return
             col.entry_id = sub.entry_id
             col.touch()
             self._changed.set()
@@ -160,6 +165,9 @@ class Run:
                 if col.mode == "greedy":
                     self._prefilled.set()  # its prompt blocks are computed and in the prefix cache now
                 self._changed.set()
+        except Exception as e:  # never leave a column spinning
+            log.exception("streaming %s", col.mode)
+            col.fail(f"the playground lost this stream: {type(e).__name__}: {e}", "unavailable")
         finally:
             if col.mode == "greedy":
                 self._prefilled.set()
@@ -167,34 +175,41 @@ class Run:
 
     async def _watch(self) -> None:
         """Queue positions, KV snapshots, and the service's pulse while anything is out."""
-        client, keys = self.service.client(), self.service.keys
-        redis_lost = replicas_lost = None
-        last_health = 0.0
+        state = {"redis_lost": None, "replicas_lost": None, "last_health": 0.0}
         while not self.finished:
-            now = time.monotonic()
-            if now - last_health >= 1.0:
-                last_health = now
-                ok, live = await self.service.health()
-                redis_lost = None if ok else (redis_lost or now)
-                replicas_lost = None if (live or not ok) else (replicas_lost or now)
-                if redis_lost and now - redis_lost > self.service.redis_gone_s:
-                    self._abandon("Redis became unreachable during the run; the results are unknown.", "unavailable")
-                elif replicas_lost and now - replicas_lost > self.service.replica_gone_s:
-                    self._abandon("The engine went down: no replica has sent a heartbeat for "
-                                  f"{self.service.replica_gone_s:.0f}s. Start one (decodelab engine) and run again.",
-                                  "unavailable")
-                    await self._cancel_quietly()
-            if not redis_lost:
-                for col in self.columns.values():
-                    if col.status == "queued" and col.entry_id:
-                        with contextlib.suppress(RedisError, OSError, asyncio.TimeoutError):
-                            pos = await asyncio.wait_for(monitor.queue_position(client.redis, keys, col.entry_id), 2)
-                            if pos != col.queue_position:
-                                col.queue_position = pos
-                                col.touch()
-                self._take_kv(await self.service.kv())
+            try:
+                await self._watch_once(state)
+            except Exception:  # a bad snapshot must not stop the watchdog
+                log.exception("watching the service")
             self._changed.set()
             await asyncio.sleep(0.25)
+
+    async def _watch_once(self, state: dict) -> None:
+        client, keys = self.service.client(), self.service.keys
+        now = time.monotonic()
+        if now - state["last_health"] >= 1.0:
+            state["last_health"] = now
+            ok, live = await self.service.health()
+            state["redis_lost"] = None if ok else (state["redis_lost"] or now)
+            state["replicas_lost"] = None if (live or not ok) else (state["replicas_lost"] or now)
+            if state["redis_lost"] and now - state["redis_lost"] > self.service.redis_gone_s:
+                self._abandon("Redis became unreachable during the run; the results are unknown.", "unavailable")
+            elif state["replicas_lost"] and now - state["replicas_lost"] > self.service.replica_gone_s:
+                out = [c for c in self.columns.values() if not c.finished]
+                self._abandon("The engine went down: no replica has sent a heartbeat for "
+                              f"{self.service.replica_gone_s:.0f}s. Start one (decodelab engine) and run again.",
+                              "unavailable")
+                await self._cancel_quietly(out)  # so that a replica starting later does not run them
+        if state["redis_lost"]:
+            return
+        for col in self.columns.values():
+            if col.status == "queued" and col.entry_id:
+                with contextlib.suppress(RedisError, OSError, asyncio.TimeoutError):
+                    pos = await asyncio.wait_for(monitor.queue_position(client.redis, keys, col.entry_id), 2)
+                    if pos != col.queue_position:
+                        col.queue_position = pos
+                        col.touch()
+        self._take_kv(await self.service.kv())
 
     def _take_kv(self, snaps: list[KVSnapshot]) -> None:
         self.kv = snaps

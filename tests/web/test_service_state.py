@@ -52,8 +52,11 @@ def test_a_replica_that_goes_away_mid_run_ends_the_run_with_a_message(redis_serv
         result = job.result(timeout=20)
         cols = result[-1]["columns"]
         assert "engine went down" in result[0]
+        sync = redis.Redis.from_url(redis_server.url)
         for col in cols.values():
             assert col["status"] == "error" and "engine went down" in col["error"], col
+            assert sync.exists(keys.cancelled(col["request_id"]))  # a replica starting later will not run it
+        sync.close()
     finally:
         web.close()
         for rid in list(engine.requests):
