@@ -101,8 +101,9 @@ def test_bad_input_shows_inline_errors_within_seconds(tiny_stack, page):
     page.locator("#run").click()
     expect(page.locator("#dl-message .dl-msg.error")).to_contain_text("Type a prompt", timeout=5_000)
 
-    page.locator("#prompt textarea").fill("The capital of France is")
-    page.locator("#chat input[type=checkbox]").uncheck()
+    page.locator("#examples").get_by_text("Plain completion: primary colours").click()  # fills all three inputs
+    expect(page.locator("#prompt textarea")).to_have_value("The three primary colours are")
+    expect(page.locator("#chat input[type=checkbox]")).not_to_be_checked()
     set_number(page, "beam-width", 2)
     set_number(page, "beams-shown", 4)
     page.locator("#run").click()
