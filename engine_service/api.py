@@ -10,11 +10,11 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 
 import anyio
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, disable_created_metrics, generate_latest
@@ -113,13 +113,14 @@ def create_app(state: ServiceState) -> FastAPI:
         parts = [f"{'.'.join(str(x) for x in err['loc'][1:]) or 'body'}: {err['msg']}" for err in e.errors()[:5]]
         return JSONResponse(error_body("; ".join(parts), "invalid_request_error"), status_code=400)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if state.api_key and request.url.path.startswith("/v1/"):
+    # A dependency, not an HTTP middleware: BaseHTTPMiddleware hides client disconnects from the endpoints.
+    async def check_api_key(request: Request) -> None:
+        if state.api_key:
             given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
             if not hmac.compare_digest(given.encode(), state.api_key.encode()):
-                return JSONResponse(error_body("invalid API key", "authentication_error"), status_code=401)
-        return await call_next(request)
+                raise APIError(401, "invalid API key", "authentication_error")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
 
     @app.get("/health")
     async def health() -> dict:
@@ -140,20 +141,21 @@ def create_app(state: ServiceState) -> FastAPI:
     async def metrics() -> Response:
         return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @v1.get("/models")
     async def models() -> dict:
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": int(state.started_at),
                                             "owned_by": "decodelab"}]}
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionBody):
-        return await _serve(state, body, body.to_request(), chat=False, want_logprobs=body.logprobs is not None)
+    @v1.post("/completions")
+    async def completions(body: CompletionBody, http: Request):
+        return await _serve(state, http, body, body.to_request(), chat=False, want_logprobs=body.logprobs is not None)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatBody):
-        return await _serve(state, body, body.to_request(state.default_max_tokens), chat=True,
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatBody, http: Request):
+        return await _serve(state, http, body, body.to_request(state.default_max_tokens), chat=True,
                             want_logprobs=body.logprobs)
 
+    app.include_router(v1)
     return app
 
 
@@ -167,7 +169,8 @@ def _check(state: ServiceState, body, request: GenerationRequest) -> None:
         raise APIError(400, str(e)) from None
 
 
-async def _serve(state: ServiceState, body, request: GenerationRequest, chat: bool, want_logprobs: bool):
+async def _serve(state: ServiceState, http: Request, body, request: GenerationRequest, chat: bool,
+                 want_logprobs: bool):
     _check(state, body, request)
     client = state.client
     try:
@@ -178,23 +181,39 @@ async def _serve(state: ServiceState, body, request: GenerationRequest, chat: bo
         raise APIError(503, f"Redis unavailable: {e}", "service_unavailable") from None
     rid, model = request.request_id, body.model
     if not body.stream:
-        finished = False
-        try:
-            async for ev in client.stream(sub, state.request_timeout):
-                if isinstance(ev, (DoneEvent, ErrorEvent)):
-                    finished = True
-                    _raise_on_error(ev)
-                    build = chat_response if chat else completion_response
-                    return build(rid, model, ev, want_logprobs)
-        finally:
-            if not finished:  # the HTTP client went away: stop the generation
-                with anyio.CancelScope(shield=True):
-                    await client.cancel(rid)
+        result = await _result_unless_disconnected(state, http, sub)
+        if result is None:  # the HTTP client went away: stop the generation
+            return Response(status_code=499)
+        _raise_on_error(result)
+        return (chat_response if chat else completion_response)(rid, model, result, want_logprobs)
     # Beams are rewritten as they overtake each other, which an append-only SSE stream cannot show: a beam
     # request streams its outputs once they are final.
     stream_tokens = request.params.mode != "beam"
     return StreamingResponse(_sse(state, sub, rid, model, chat, want_logprobs, stream_tokens),
                              media_type="text/event-stream")
+
+
+async def _result_unless_disconnected(state: ServiceState, http: Request, sub) -> DoneEvent | ErrorEvent | None:
+    async def terminal():
+        async with aclosing(state.client.stream(sub, state.request_timeout)) as events:
+            async for ev in events:
+                if isinstance(ev, (DoneEvent, ErrorEvent)):
+                    return ev
+
+    async def disconnected() -> None:
+        while not await http.is_disconnected():
+            await asyncio.sleep(0.25)
+
+    result, gone = asyncio.create_task(terminal()), asyncio.create_task(disconnected())
+    try:
+        done, _ = await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not result.done():
+            result.cancel()
+            with anyio.CancelScope(shield=True):
+                await state.client.cancel(sub.request_id)
+    return result.result() if result in done else None
 
 
 def _raise_on_error(ev) -> None:
@@ -224,21 +243,22 @@ async def _sse(state: ServiceState, sub, rid: str, model: str, chat: bool, want_
         return data(completion_chunk(rid, model, index, delta, finish, lp))
 
     try:
-        async for ev in state.client.stream(sub, state.request_timeout):
-            if isinstance(ev, TokenEvent):
-                if not stream_tokens:
-                    continue
-                delta = text.feed(ev)
-                if delta:
-                    yield chunk(ev.index, delta, logprobs=None if ev.reset else ev.logprobs)
-            elif isinstance(ev, DoneEvent):
-                finished = True
-                for c in ev.outputs:
-                    yield chunk(c.index, text.final(c.index, c.text), c.finish_reason,
-                                logprobs=None if stream_tokens else c.logprobs)
-            else:
-                finished = True
-                yield data(error_body(ev.message, "server_error", ev.code))
+        async with aclosing(state.client.stream(sub, state.request_timeout)) as events:
+            async for ev in events:
+                if isinstance(ev, TokenEvent):
+                    if not stream_tokens:
+                        continue
+                    delta = text.feed(ev)
+                    if delta:
+                        yield chunk(ev.index, delta, logprobs=None if ev.reset else ev.logprobs)
+                elif isinstance(ev, DoneEvent):
+                    finished = True
+                    for c in ev.outputs:
+                        yield chunk(c.index, text.final(c.index, c.text), c.finish_reason,
+                                    logprobs=None if stream_tokens else c.logprobs)
+                else:
+                    finished = True
+                    yield data(error_body(ev.message, "server_error", ev.code))
         yield "data: [DONE]\n\n"
     finally:
         if not finished:  # closed HTTP stream: cancel, shielded from the cancellation that got us here

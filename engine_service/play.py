@@ -30,8 +30,8 @@ def add_parser(subparsers, add_engine_args) -> argparse.ArgumentParser:
     return p
 
 
-def _engine_argv(args) -> list[str]:
-    """Pass the engine options through to `decodelab engine` (only those given a value)."""
+def engine_argv(args) -> list[str]:
+    """The engine options of `args` (cli.add_engine_args) as `decodelab engine` arguments."""
     argv = ["--model", args.model, "--device", args.device, "--block-size", str(args.block_size),
             "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--kv-cache-memory", str(args.kv_cache_memory)]
@@ -42,7 +42,7 @@ def _engine_argv(args) -> list[str]:
             argv += [flag, str(value)]
     if args.no_prefix_caching:
         argv.append("--no-prefix-caching")
-    return argv + ["--host", args.host, "--port", str(args.engine_port)]
+    return argv
 
 
 class Stack:
@@ -75,7 +75,7 @@ class Stack:
             self.redis.close()
 
 
-def _wait_ready(url: str, stack: Stack, timeout: float, stop: threading.Event) -> None:
+def wait_ready(url: str, stack: Stack, timeout: float, stop: threading.Event) -> None:
     end = time.monotonic() + timeout
     while not stop.is_set():
         if (why := stack.exited()) is not None:
@@ -103,16 +103,17 @@ def run_play(args: argparse.Namespace) -> int:
             print(f"redis: private redis-server on 127.0.0.1:{stack.redis.port} (no persistence)", flush=True)
         env = dict(os.environ, REDIS_URL=redis_url)  # the password travels in the environment, not argv
         engine_url = f"http://{args.host}:{args.engine_port}"
-        stack.spawn("engine", [sys.executable, "-m", "engine_service.cli", "engine", *_engine_argv(args)], env)
+        stack.spawn("engine", [sys.executable, "-m", "engine_service.cli", "engine", *engine_argv(args),
+                               "--host", args.host, "--port", str(args.engine_port)], env)
         url = engine_url
         if WEB_APP.exists():
             stack.spawn("web", [sys.executable, "-m", "engine_service.cli", "web", "--host", args.host,
                                 "--port", str(args.web_port)], env)
             url = f"http://{args.host}:{args.web_port}"
         print(f"loading {args.model} ...", flush=True)
-        _wait_ready(f"{engine_url}/ready", stack, args.ready_timeout, stop)
+        wait_ready(f"{engine_url}/ready", stack, args.ready_timeout, stop)
         if url != engine_url:
-            _wait_ready(url, stack, args.ready_timeout, stop)
+            wait_ready(url, stack, args.ready_timeout, stop)
         if not stop.is_set():
             print(f"\nDecodeLab is up: {url}\n  engine API: {engine_url}/v1 (OpenAI), {engine_url}/metrics\n"
                   "  Ctrl-C to stop.", flush=True)

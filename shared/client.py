@@ -8,6 +8,7 @@ import asyncio
 import os
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
@@ -222,7 +223,8 @@ class EngineClient:
     async def generate(self, request: GenerationRequest, timeout: float | None = None) -> TerminalEvent:
         """Submit and wait for the terminal event (errors are returned, not raised; QueueFull is raised)."""
         sub = await self.submit(request)
-        async for ev in self.stream(sub, timeout):
-            if not isinstance(ev, TokenEvent):
-                return ev
+        async with aclosing(self.stream(sub, timeout)) as events:
+            async for ev in events:
+                if not isinstance(ev, TokenEvent):
+                    return ev
         raise AssertionError("stream ended without a terminal event")

@@ -142,6 +142,7 @@ def plot(results: dict, path) -> None:
     for metric, ax in zip(("TTFT", "TPOT", "inter-token latency"), axes):
         ax.set(title=metric, xlabel="arrival rate (req/s)", ylabel="ms")
         ax.set_xscale("log", base=2)
+        ax.set_xticks(rates, [f"{r:g}" for r in rates])
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(f"decodelab bench serve: {results['model']}, {results['num_requests']} requests/rate, "
@@ -151,11 +152,33 @@ def plot(results: dict, path) -> None:
     plt.close(fig)
 
 
+def start_replica(args, redis_url: str, prefix: str):
+    """A real `decodelab engine` replica in its own process (as deployed: no GIL shared with the clients)."""
+    import os
+    import sys
+    import threading
+
+    from engine_service.play import Stack, engine_argv, wait_ready
+    from engine_service.redis_server import free_port
+
+    stack, port = Stack(), free_port()
+    env = dict(os.environ, REDIS_URL=redis_url, DECODELAB_REDIS_PREFIX=prefix)
+    stack.spawn("engine", [sys.executable, "-m", "engine_service.api", *engine_argv(args), "--port", str(port),
+                           "--served-model-name", args.model, "--max-queue", "100000", "--log-level", "warning"], env)
+    try:
+        wait_ready(f"http://127.0.0.1:{port}/ready", stack, 600, threading.Event())
+    except BaseException:
+        stack.stop()
+        raise
+    return stack, f"http://127.0.0.1:{port}"
+
+
 def run(args) -> int:
+    import httpx
+
     from engine_service.cli import engine_config_from_args
     from engine_service.llm_engine import LLMEngine
     from engine_service.redis_server import RedisServer
-    from engine_service.worker import Worker, WorkerConfig
     from shared.client import EngineClient
     from shared.keys import Keys
 
@@ -164,13 +187,13 @@ def run(args) -> int:
     vocab = engine.vocab_size
     server = None if args.redis_url else RedisServer().start()
     url = args.redis_url or server.url
+    keys = Keys(f"bench-{time.time_ns()}")
+    replica, replica_url = start_replica(args, url, keys.prefix)
     runs = []
     try:
         for rate in [float(r) for r in args.rates.split(",")]:
             prompts = [[rng.randrange(100, vocab) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
             arrivals = poisson_arrivals(rate, args.num_requests, rng)
-            keys = Keys(f"bench-{rate}-{time.time_ns()}")
-            worker = Worker(engine, WorkerConfig(url, keys=keys, model_name=args.model)).start()
 
             async def through_redis() -> dict:
                 client = EngineClient(url, keys, max_queue=10 * args.num_requests)
@@ -181,8 +204,8 @@ def run(args) -> int:
                     await client.close()
 
             redis_result = asyncio.run(through_redis())
-            worker.stop()
-            redis_result["max_batch"] = worker.max_batch
+            redis_result["replica_mean_batch_so_far"] = _mean_batch(httpx.get(f"{replica_url}/metrics").text)
+            run_inprocess(engine, prompts[:2], [0.0, 0.0], 4)  # warm-up
             inproc_result = run_inprocess(engine, prompts, arrivals, args.max_tokens)
             runs.append({"rate": rate, "redis": redis_result, "inprocess": inproc_result})
             print(f"rate {rate:g} req/s: TTFT p50 redis {redis_result['ttft']['p50_ms']:.1f} ms vs in-process "
@@ -190,13 +213,25 @@ def run(args) -> int:
                   f"{inproc_result['tpot']['p50_ms']:.1f} ms; {redis_result['tok_per_s']:.0f} vs "
                   f"{inproc_result['tok_per_s']:.0f} tok/s", flush=True)
     finally:
+        replica.stop()
         if server is not None:
             server.close()
     results = {"benchmark": "serve", "model": args.model, "device": engine.config.device,
                "threads": __import__("torch").get_num_threads(), "machine": platform.machine(),
-               "num_requests": args.num_requests, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
-               "runs": runs}
+               "cpus": __import__("os").cpu_count(), "num_requests": args.num_requests,
+               "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "runs": runs}
     path = write_results("serve", results, args.out)
     plot(results, path.with_suffix(".png"))
     print(f"wrote {path} and {path.with_suffix('.png')}")
     return 0
+
+
+def _mean_batch(metrics_text: str) -> float:
+    """Mean requests per engine step on the replica so far (its decodelab_batch_size histogram)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name == "decodelab_batch_size":
+            values = {s.name: s.value for s in family.samples}
+            return values["decodelab_batch_size_sum"] / max(values["decodelab_batch_size_count"], 1)
+    return float("nan")

@@ -203,3 +203,17 @@ def test_beam_search_streams_its_final_beams(api):
         streamed[choice["index"]] = streamed.get(choice["index"], "") + choice["text"]
     assert [streamed[i] for i in (0, 1)] == [c["text"] for c in plain]
     assert plain[0]["text"] != plain[1]["text"]
+
+
+def test_a_client_that_hangs_up_on_a_plain_request_cancels_it(api, engine, sync_redis, keys):
+    _, http = api
+    idle_free = engine.block_manager.num_free_blocks
+    with pytest.raises(httpx.ReadTimeout):
+        http.post("/v1/completions", json={"model": "tiny", "prompt": "Hang up", "max_tokens": 1800, **GREEDY},
+                  timeout=0.5)
+    rid = wait_until(lambda: [k.split(":")[-1] for k in sync_redis.scan_iter(keys.result("cmpl-*"))], 10,
+                     what="a result")[0]
+    done = decode_event(sync_redis.get(keys.result(rid)))
+    assert done.finish_reason == "cancelled" and len(done.outputs[0].token_ids) < 1800
+    wait_until(lambda: engine.block_manager.num_free_blocks == idle_free and not engine.has_unfinished(), 5,
+               what="blocks freed")
