@@ -27,7 +27,7 @@ from shared.client import EngineClient, QueueFull, TextAccumulator
 from shared.keys import Keys
 from shared.openai_schema import (ChatBody, CompletionBody, chat_chunk, chat_logprobs, chat_response, completion_chunk,
                                   completion_logprobs, completion_response, error_body)
-from shared.protocol import DoneEvent, ErrorEvent, GenerationRequest, TokenEvent
+from shared.protocol import DoneEvent, ErrorEvent, GenerationRequest, TokenEvent, validation_message
 
 log = logging.getLogger("decodelab.api")
 disable_created_metrics()
@@ -110,8 +110,8 @@ def create_app(state: ServiceState) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
-        parts = [f"{'.'.join(str(x) for x in err['loc'][1:]) or 'body'}: {err['msg']}" for err in e.errors()[:5]]
-        return JSONResponse(error_body("; ".join(parts), "invalid_request_error"), status_code=400)
+        message = validation_message(list(e.errors()), skip_loc=1, what="body")
+        return JSONResponse(error_body(message, "invalid_request_error"), status_code=400)
 
     # A dependency, not an HTTP middleware: BaseHTTPMiddleware hides client disconnects from the endpoints.
     async def check_api_key(request: Request) -> None:

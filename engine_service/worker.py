@@ -24,8 +24,9 @@ from redis.exceptions import ResponseError
 from engine_service.kv_snapshot import kv_snapshot
 from engine_service.sampling_params import SamplingParams
 from shared.keys import Keys
-from shared.protocol import (PROTOCOL_VERSION, Completion, DoneEvent, ErrorEvent, GenerationRequest, Metrics,
-                             TokenEvent, TokenLogprob, decode_request, encode)
+from shared.protocol import (PROTOCOL_VERSION, REQUEST_ID_PATTERN, Completion, DoneEvent, ErrorEvent,
+                             GenerationRequest, Metrics, TokenEvent, TokenLogprob, decode_request, encode,
+                             validation_message)
 from shared.scripts import FINISH, HEARTBEAT
 
 log = logging.getLogger("decodelab.worker")
@@ -403,7 +404,7 @@ class Worker:
             try:
                 request = decode_request(fields["data"])
             except ValidationError as e:
-                raise _Refused("invalid_request", _short_validation(e)) from None
+                raise _Refused("invalid_request", validation_message(e.errors())) from None
             if request.request_id != rid:
                 raise _Refused("invalid_request", "request_id does not match the stream entry")
             if request.model and self.cfg.model_name and request.model != self.cfg.model_name:
@@ -541,12 +542,9 @@ class _Refused(Exception):
 
 
 def _safe_id(rid: str, entry_id: str) -> str:
-    return rid if re.fullmatch(r"[A-Za-z0-9_.:-]{1,128}", rid) else f"invalid-{entry_id}"
+    return rid if re.fullmatch(REQUEST_ID_PATTERN, rid) else f"invalid-{entry_id}"
 
 
-def _short_validation(e: ValidationError) -> str:
-    parts = [f"{'.'.join(str(x) for x in err['loc']) or 'request'}: {err['msg']}" for err in e.errors()[:5]]
-    return "; ".join(parts)
 
 
 def add_parser(subparsers, add_engine_args) -> None:

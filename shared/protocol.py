@@ -55,13 +55,21 @@ class ChatMessage(_Model):
     content: str
 
 
+REQUEST_ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,128}$"
+
+
+def validation_message(errors: list[dict], skip_loc: int = 0, what: str = "request") -> str:
+    """Pydantic errors as one short line: `params.temperature: Input should be a finite number; ...`."""
+    return "; ".join(f"{'.'.join(str(x) for x in err['loc'][skip_loc:]) or what}: {err['msg']}" for err in errors[:5])
+
+
 def new_request_id() -> str:
     return uuid.uuid4().hex
 
 
 class GenerationRequest(_Model):
     v: int = PROTOCOL_VERSION
-    request_id: str = Field(default_factory=new_request_id, pattern=r"^[A-Za-z0-9_.:-]{1,128}$")
+    request_id: str = Field(default_factory=new_request_id, pattern=REQUEST_ID_PATTERN)
     prompt: str | list[int] | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     params: SamplingOptions = Field(default_factory=SamplingOptions)
