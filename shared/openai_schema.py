@@ -4,14 +4,14 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
-from shared.protocol import (ChatMessage, Completion, DoneEvent, GenerationRequest, Mode, SamplingOptions,
+from shared.protocol import (ChatMessage, Completion, DoneEvent, GenerationRequest, SamplingExtras, SamplingOptions,
                              TokenLogprob, new_request_id)
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+class _Body(SamplingExtras):
+    """OpenAI's common body fields; the vLLM extras (top_k, min_p, mode, ...) come from SamplingExtras."""
 
     model: str
     n: int = Field(1, ge=1, le=16)
@@ -24,19 +24,6 @@ class _Body(BaseModel):
     user: str | None = None
     frequency_penalty: float = 0.0  # accepted for compatibility; only 0 is supported
     presence_penalty: float = 0.0
-    # extensions (vLLM names)
-    top_k: int = -1
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
-    min_tokens: int = Field(0, ge=0)
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
-    mode: Mode | None = None
-    beam_width: int = Field(1, ge=1, le=64)
-    length_penalty: float = 1.0
-    early_stopping: bool | Literal["never"] = False
-    proposer: Literal["draft", "ngram"] = "ngram"
-    num_speculative_tokens: int = Field(4, ge=1, le=16)
 
     @field_validator("frequency_penalty", "presence_penalty")
     @classmethod
@@ -45,15 +32,11 @@ class _Body(BaseModel):
             raise ValueError("not supported (use repetition_penalty)")
         return v
 
-    def _options(self, max_tokens: int | None, logprobs: int | None) -> SamplingOptions:
+    def _options(self, max_tokens: int, logprobs: int | None) -> SamplingOptions:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        return SamplingOptions(
-            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty, seed=self.seed, stop=stop,
-            stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, max_tokens=max_tokens,
-            min_tokens=self.min_tokens, logprobs=logprobs, mode=self.mode, beam_width=self.beam_width,
-            length_penalty=self.length_penalty, early_stopping=self.early_stopping, proposer=self.proposer,
-            num_speculative_tokens=self.num_speculative_tokens)
+        extras = self.model_dump(include=set(SamplingExtras.model_fields))
+        return SamplingOptions(n=self.n, temperature=self.temperature, top_p=self.top_p, seed=self.seed, stop=stop,
+                               max_tokens=max_tokens, logprobs=logprobs, **extras)
 
 
 class CompletionBody(_Body):

@@ -26,28 +26,35 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
-class SamplingOptions(_Model):
-    """Sampling parameters with vLLM names; the engine's SamplingParams re-validates them."""
+class SamplingExtras(_Model):
+    """The vLLM sampling fields beyond OpenAI's (the OpenAI endpoints accept them as extra body fields)."""
 
-    n: int = Field(1, ge=1, le=16)
-    temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_k: int = Field(-1, ge=-1)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
-    seed: int | None = None
-    stop: list[str] = Field(default_factory=list, max_length=16)
     stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
     ignore_eos: bool = False
-    max_tokens: int = Field(16, ge=1)
     min_tokens: int = Field(0, ge=0)
-    logprobs: int | None = Field(None, ge=0, le=20)
     mode: Mode | None = None
     beam_width: int = Field(1, ge=1, le=64)
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
     proposer: Literal["draft", "ngram"] = "ngram"
     num_speculative_tokens: int = Field(4, ge=1, le=16)
+    ngram_min: int = Field(1, ge=1, le=16)
+    ngram_max: int = Field(3, ge=1, le=16)
+
+
+class SamplingOptions(SamplingExtras):
+    """Sampling parameters with vLLM names; the engine's SamplingParams re-validates them."""
+
+    n: int = Field(1, ge=1, le=16)
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list, max_length=16)
+    max_tokens: int = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
 
 
 class ChatMessage(_Model):
