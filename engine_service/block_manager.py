@@ -6,7 +6,7 @@ with `token_ids`, `num_computed_tokens`, `block_table` and `block_hashes` (see s
 import hashlib
 from array import array
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -43,6 +43,7 @@ class BlockManager:
         # their hash) least recently freed first
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[bytes, int] = {}
+        self.num_shared = 0  # blocks with ref_count > 1, kept current so stats are O(1)
         self.stats = BlockStats()
 
     # ---- queries
@@ -66,11 +67,10 @@ class BlockManager:
         return self.blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
 
     def summary(self) -> dict:
-        used = sum(1 for b in self.blocks if b.ref_count > 0)
         return {
             "blocks_total": self.num_blocks,
-            "blocks_used": used,
-            "blocks_shared": sum(1 for b in self.blocks if b.ref_count > 1),
+            "blocks_used": self.num_blocks - self.num_free_blocks,
+            "blocks_shared": self.num_shared,
             "blocks_cached": len(self.cached),
             "blocks_free": self.num_free_blocks,
             "prefix_queries": self.stats.prefix_queries,
@@ -95,10 +95,12 @@ class BlockManager:
         if block.ref_count == 0:
             del self.free_queue[block_id]
         block.ref_count += 1
+        self.num_shared += block.ref_count == 2
 
     def _decref(self, block_id: int) -> None:
         block = self.blocks[block_id]
         assert block.ref_count > 0, f"double free of block {block_id}"
+        self.num_shared -= block.ref_count == 2
         block.ref_count -= 1
         if block.ref_count == 0:
             self.free_queue[block_id] = None

@@ -150,7 +150,7 @@ def _add_service_parsers(sub) -> None:
     """The Redis service commands live in their own modules; they register here when present."""
     import importlib
 
-    for module in ("engine_service.worker", "engine_service.play", "web.app"):
+    for module in ("engine_service.worker", "engine_service.play", "web.cli"):
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as e:

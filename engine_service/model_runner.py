@@ -53,7 +53,11 @@ class ModelRunner:
             free = (torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda"
                     else available_memory_bytes())
             budget = budget * free
-        return max(1, int(budget // self.kv_bytes_per_block()))
+        # more blocks than every seat filled to the model's context can never be used
+        max_len = min(self.config.max_model_len or self.hf_config.max_position_embeddings,
+                      self.hf_config.max_position_embeddings)
+        ceiling = self.config.max_num_seqs * -(-max_len // self.config.block_size)
+        return max(1, min(ceiling, int(budget // self.kv_bytes_per_block())))
 
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         c = self.hf_config

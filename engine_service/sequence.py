@@ -1,10 +1,15 @@
 import time
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine_service.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine_service.beam import BeamSearch
+    from engine_service.spec_decode import SpecStats
 
 
 class SequenceStatus(Enum):

@@ -9,12 +9,10 @@ import os
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no phoning home (and no version check)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import argparse  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import gradio as gr  # noqa: E402
 
-from shared.keys import Keys  # noqa: E402
 from web import handlers  # noqa: E402
 from web.modes import MAX_TOKENS_LIMIT, MODES, Settings  # noqa: E402
 from web.session import Service  # noqa: E402
@@ -147,22 +145,3 @@ def launch(demo: gr.Blocks, host: str, port: int, **kw):
     return demo.launch(server_name=host, server_port=port, theme=theme(), css_paths=[CSS_PATH], ssr_mode=False,
                        show_error=True, quiet=kw.pop("quiet", False), **kw)
 
-
-# ---- `decodelab web`
-def add_parser(subparsers, add_engine_args) -> argparse.ArgumentParser:
-    del add_engine_args  # the web has no engine: it only needs Redis
-    env = os.environ.get
-    p = subparsers.add_parser("web", help="the Gradio playground (talks to the engine replicas through Redis)")
-    p.add_argument("--redis-url", default=env("REDIS_URL"), help="default: $REDIS_URL")
-    p.add_argument("--host", default=env("GRADIO_SERVER_NAME", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=int(env("GRADIO_SERVER_PORT", 7860)))
-    p.set_defaults(func=run_web)
-    return p
-
-
-def run_web(args: argparse.Namespace) -> int:
-    if not args.redis_url:
-        raise SystemExit("decodelab web: no Redis; pass --redis-url or set REDIS_URL (or use `decodelab play`)")
-    demo = build_app(Service(args.redis_url, Keys.from_env()))
-    launch(demo, args.host, args.port)
-    return 0

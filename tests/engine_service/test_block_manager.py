@@ -385,6 +385,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert set(bm.free_queue) == {b.block_id for b in bm.blocks if b.ref_count == 0}
         summary = bm.summary()
         assert summary["blocks_free"] + summary["blocks_used"] == summary["blocks_total"] == len(bm.blocks)
+        assert summary["blocks_used"] == sum(1 for c in holders.values() if c > 0)
+        assert summary["blocks_shared"] == sum(1 for c in holders.values() if c > 1)
 
     @invariant()
     def cached_blocks_hold_what_their_hash_says(self):

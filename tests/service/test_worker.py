@@ -2,7 +2,6 @@
 import asyncio
 import time
 
-import pytest
 import redis.asyncio as aioredis
 
 from engine_service.sampling_params import SamplingParams
