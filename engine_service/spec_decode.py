@@ -78,7 +78,7 @@ def execute_with_rows(runner, batch: ScheduledBatch, num_rows: list[int]) -> tup
     reaches its last token): rows index[i] .. index[i] + num_rows[i] - 1 of the returned logits."""
     runner.copy_blocks(batch.copies)
     input_ids, positions, meta, last_row = runner.prepare(batch)
-    hidden = runner.model(input_ids, positions, meta)
+    hidden = runner.forward(input_ids, positions, meta)
     rows, index = [], []
     for r, k in zip(last_row, num_rows):  # a sequence's tokens are contiguous in the flat batch
         index.append(len(rows) if r >= 0 else -1)
