@@ -1,0 +1,66 @@
+"""Test helpers shared by the service and web suites: bounded waits and engine replicas as subprocesses."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from engine_service.redis_server import die_with_parent, free_port
+from shared.keys import Keys
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.02, what: str = "condition"):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if (value := predicate()):
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+class Replica:
+    """`decodelab engine` as a real subprocess in its own process group (so kill -9 takes all of it)."""
+
+    def __init__(self, model, redis_url: str, keys: Keys, name: str, *extra: str, served: str = "tiny",
+                 drain_timeout: float = 1.0):
+        self.name, self.port = name, free_port()
+        env = dict(os.environ, REDIS_URL=redis_url, DECODELAB_REDIS_PREFIX=keys.prefix, OMP_NUM_THREADS="1",
+                   HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+        argv = [sys.executable, "-m", "engine_service.api", "--model", str(model), "--threads", "1",
+                "--port", str(self.port), "--replica-name", name, "--served-model-name", served,
+                "--log-level", "warning", "--drain-timeout", str(drain_timeout), *extra]
+        self.proc = subprocess.Popen(argv, env=env, cwd=ROOT, start_new_session=True, preexec_fn=die_with_parent)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout: float = 120.0) -> Replica:
+        def ready() -> bool:
+            assert self.proc.poll() is None, f"replica {self.name} exited with {self.proc.returncode}"
+            try:
+                return httpx.get(f"{self.url}/ready", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(ready, timeout, 0.2, f"replica {self.name} ready")
+        return self
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        self.kill(signal.SIGTERM)
