@@ -120,7 +120,6 @@ class BlockManager:
         """
         assert not seq.block_table and seq.num_computed_tokens == 0
         num_tokens = len(seq.token_ids)
-        self.stats.prefix_queries += num_tokens
         if not self.enable_prefix_caching:
             return 0
         bs, parent, hits = self.block_size, None, []
@@ -142,8 +141,12 @@ class BlockManager:
             seq.block_table.append(block_id)
             seq.block_hashes.append(h)
         seq.num_computed_tokens = len(hits) * bs
-        self.stats.prefix_hits += seq.num_computed_tokens
         return seq.num_computed_tokens
+
+    def record_prefix_lookup(self, num_tokens: int, num_hits: int) -> None:
+        """Counted once a looked-up sequence is admitted (a lookup retried next step counts once)."""
+        self.stats.prefix_queries += num_tokens
+        self.stats.prefix_hits += num_hits
 
     def _shared_write_index(self, seq, num_new_tokens: int) -> int | None:
         """Index in the block table of a shared block that the next write would touch."""

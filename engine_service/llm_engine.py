@@ -56,6 +56,8 @@ class LLMEngine:
                 raise ValueError(f"prompt_token_ids: every id must be an int in [0, {self.vocab_size})")
         if not token_ids:
             raise ValueError("prompt: must not be empty")
+        if any(t >= self.vocab_size for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids: every id must be below the vocabulary size {self.vocab_size}")
         if params.mode == "speculative" and params.proposer == "draft" and self.spec.drafter is None:
             raise ValueError("proposer: 'draft' needs an engine started with a draft model "
                              "(LLM(..., draft_model=NAME) or --draft-model NAME)")

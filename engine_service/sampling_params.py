@@ -74,6 +74,10 @@ class SamplingParams:
             bad("seed", f"must be an integer, got {self.seed!r}")
         if not isinstance(self.beam_width, int) or self.beam_width < 1:
             bad("beam_width", f"must be an integer >= 1, got {self.beam_width!r}")
+        if not all(isinstance(x, str) and x for x in self.stop):
+            bad("stop", f"stop strings must be non-empty strings, got {self.stop!r}")
+        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", f"must be non-negative token ids, got {self.stop_token_ids!r}")
         if self.early_stopping not in (True, False, "never"):
             bad("early_stopping", f"must be True, False or 'never', got {self.early_stopping!r}")
         if self.proposer not in ("draft", "ngram"):

@@ -133,9 +133,11 @@ class Scheduler:
             return batch
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             unit = self._waiting_unit()
+            looked_up = []
             for seq in unit:
                 if seq.num_computed_tokens == 0 and not seq.block_table:
                     cached = self.bm.match_prefix(seq)
+                    looked_up.append((seq.num_tokens, cached))
                     if seq.request.first_scheduled_time is None:
                         seq.request.num_cached_tokens = cached
             todo, left = self._split(unit, budget)
@@ -143,6 +145,8 @@ class Scheduler:
                 for seq in unit:
                     self.bm.free(seq)  # give back the prefix hits; try again next step
                 break
+            for num_tokens, cached in looked_up:
+                self.bm.record_prefix_lookup(num_tokens, cached)
             for seq in unit:
                 self.waiting.popleft()
                 seq.status = SequenceStatus.RUNNING

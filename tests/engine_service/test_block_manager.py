@@ -49,7 +49,6 @@ def test_prefix_hit_across_requests_shares_the_leading_full_blocks():
     assert b.block_table == a.block_table[:2]
     assert b.block_hashes == a.block_hashes[:2]
     assert refs(bm, a.block_table) == [2, 2, 1]
-    assert (bm.stats.prefix_queries, bm.stats.prefix_hits) == (10 + 11, 8)
 
 
 def test_cached_blocks_outlive_the_request_that_computed_them():

@@ -99,8 +99,6 @@ def test_refused_requests_leave_the_engine_serving_the_others(engine, tiny_llama
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-@pytest.mark.xfail(strict=True, reason="llm_engine.add_request does not check stop_token_ids against the "
-                                       "vocabulary; with min_tokens the sampler indexes out of range mid-step")
 def test_stop_token_ids_outside_the_vocabulary_are_refused(tiny_llama_dir):
     engine = LLM(str(tiny_llama_dir), num_kv_blocks=16, num_threads=THREADS).engine
     with pytest.raises(ValueError, match=r"^stop_token_ids\b"):
@@ -108,8 +106,6 @@ def test_stop_token_ids_outside_the_vocabulary_are_refused(tiny_llama_dir):
                                                             stop_token_ids=[10**6]))
 
 
-@pytest.mark.xfail(strict=True, reason="SamplingParams accepts an empty stop string, which ends every "
-                                       "request at its first token with empty text (vLLM refuses it)")
 def test_an_empty_stop_string_is_refused():
     with pytest.raises(ValueError, match=r"^stop\b"):
         SamplingParams(stop=["", "end"])

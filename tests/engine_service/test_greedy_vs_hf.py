@@ -102,3 +102,17 @@ def test_smollm2_batch_matches_hf(smollm2_dir):
     outs = llm.generate(texts, SamplingParams(max_tokens=16, **GREEDY))
     assert outs[0].outputs[0].text.startswith(" Paris")
     check(smollm2_dir, [o.prompt_token_ids for o in outs], outs, 16)
+
+
+def test_a_request_waiting_for_blocks_counts_its_prefix_lookup_once(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=8, block_size=8)
+    engine = llm.engine
+    engine.add_request("big", random_prompts(1, [40], seed=6)[0], SamplingParams(max_tokens=16, **GREEDY))
+    engine.step()
+    engine.add_request("late", random_prompts(1, [20], seed=7)[0], SamplingParams(max_tokens=4, **GREEDY))
+    waited = 0
+    while engine.has_unfinished():
+        engine.step()
+        waited += any(s.request.request_id == "late" for s in engine.scheduler.waiting)
+    assert waited > 1  # it was looked up and turned away several times
+    assert engine.block_manager.stats.prefix_queries == 40 + 20
