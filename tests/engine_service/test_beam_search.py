@@ -152,6 +152,29 @@ def test_beam_group_is_preempted_whole_and_gives_the_same_beams(tiny_llama_dir):
     assert engine.block_manager.num_free_blocks == 30
 
 
+def test_a_beam_group_split_by_the_token_budget_waits_for_its_last_beam(tiny_llama_dir):
+    prompt = random_prompt(45, seed=40)
+    params = beam_params(4, 4, 30)
+    roomy = LLM(str(tiny_llama_dir), num_kv_blocks=256, block_size=8).generate({"prompt_token_ids": prompt}, params)[0]
+    # older greedy requests push the (newest) group out; its recompute, 4 beams x 45-75 tokens, spans
+    # several 24-token steps
+    tight = LLM(str(tiny_llama_dir), num_kv_blocks=36, block_size=8, max_num_batched_tokens=24)
+    engine = tight.engine
+    for i in range(3):
+        engine.add_request(f"s{i}", random_prompt(60, seed=41 + i),
+                           SamplingParams(temperature=0, ignore_eos=True, max_tokens=40))
+    engine.add_request("r", prompt, params)
+    waited, final = False, None
+    while engine.has_unfinished():
+        for out in engine.step():
+            final = out if out.request_id == "r" else final
+        req = engine.requests.get("r")
+        if req is not None and req.beam.pending and not req.beam.ready(req):
+            waited = True  # some beams have their log-probs, the others are still computing
+    assert engine.scheduler.num_preemptions > 0 and waited
+    assert [c.token_ids for c in final.outputs] == [c.token_ids for c in roomy.outputs]
+
+
 @pytest.mark.parametrize("field,kwargs", [
     ("temperature", dict(temperature=0.7)),
     ("top_p", dict(top_p=0.9)),
