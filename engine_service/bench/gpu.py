@@ -224,19 +224,11 @@ def run(args) -> int:
 
 
 def hf_baselines(model_dir, dtype, device: str, work: Workload, batch_size: int) -> dict:
-    from engine_service.bench.hf_baselines import hf_continuous, hf_static, load_hf
+    from engine_service.bench.hf_baselines import hf_static, load_hf, run_hf_baselines
 
     hf = load_hf(model_dir, dtype).to(device)
     hf_static(hf, Workload([[5, 6, 7]], [4]), 1)  # warm-up
-    out = {}
-    runs = {"hf_static": lambda: hf_static(hf, work, batch_size), "hf_continuous": lambda: hf_continuous(hf, work)}
-    for key, fn in runs.items():
-        try:
-            out[key] = fn()
-            print(f"(a) {key}: {out[key]['tok_per_s']:.0f} tok/s", flush=True)
-        except Exception as e:  # an HF baseline failing (a transformers change) must not lose the other numbers
-            out[key] = {"error": f"{type(e).__name__}: {e}"}
-            print(f"(a) {key} failed: {out[key]['error']}", flush=True)
+    out = run_hf_baselines(hf, work, batch_size, label="(a) ")
     del hf
     release(device)
     return out

@@ -33,8 +33,11 @@ def hf_static(model, work: Workload, batch_size: int) -> dict:
 
 
 @torch.inference_mode()
-def hf_continuous(model, work: Workload, max_batch_tokens: int = 2048) -> dict:
-    """HF's generate_batch machinery (ContinuousBatchingManager), with per-request max_new_tokens."""
+def hf_continuous(model, work: Workload, max_batch_tokens: int = 2048, max_memory_percent: float = 0.3) -> dict:
+    """HF's generate_batch machinery (ContinuousBatchingManager), with per-request max_new_tokens.
+    Its cache is sized like ours (token budget per step, a share of memory): left to its GPU-minded
+    defaults on CPU it spends minutes setting up before the first step."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
     config = GenerationConfig(do_sample=False, max_new_tokens=max(work.max_tokens), eos_token_id=-1,
@@ -43,12 +46,14 @@ def hf_continuous(model, work: Workload, max_batch_tokens: int = 2048) -> dict:
                           max_generated_length=max(work.max_tokens), num_requests=len(work.prompts))
     done, generated = 0, 0
     start = time.perf_counter()
+    cb_config = ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens, max_memory_percent=max_memory_percent)
     with model.continuous_batching_context_manager(generation_config=config, block=True, timeout=30,
-                                                   workload_hints=hints, warmup=False) as manager:
+                                                   continuous_batching_config=cb_config, workload_hints=hints,
+                                                   warmup=False) as manager:
         for prompt, out in zip(work.prompts, work.max_tokens):
             manager.add_request(prompt, max_new_tokens=out, eos_token_id=-1)
         while done < len(work.prompts):
-            result = manager.get_result(timeout=60)
+            result = manager.get_result(timeout=300)
             if result is None:
                 raise RuntimeError("HF continuous batching stalled")
             if result.is_finished():
@@ -56,3 +61,17 @@ def hf_continuous(model, work: Workload, max_batch_tokens: int = 2048) -> dict:
                 generated += len(result.generated_tokens)
     elapsed = time.perf_counter() - start
     return {"seconds": elapsed, "tok_per_s": generated / elapsed, "generated_tokens": generated}
+
+
+def run_hf_baselines(model, work: Workload, batch_size: int, label: str = "") -> dict:
+    """Both baselines; one that breaks (a transformers change) is recorded as an error, not fatal."""
+    out = {}
+    for key, fn in (("hf_static", lambda: hf_static(model, work, batch_size)),
+                    ("hf_continuous", lambda: hf_continuous(model, work))):
+        try:
+            out[key] = fn()
+            print(f"{label}{key}: {out[key]['tok_per_s']:.1f} tok/s", flush=True)
+        except Exception as e:
+            out[key] = {"error": f"{type(e).__name__}: {e}"}
+            print(f"{label}{key} failed: {out[key]['error']}", flush=True)
+    return out

@@ -104,21 +104,17 @@ def run(args) -> int:
     res["batched_decode"]["roofline_fraction"] = res["batched_decode"]["gflops"] / res["peak_gflops"]
     print(f"batched decode: {res['batched_decode']}", flush=True)
     if not args.skip_hf:
-        from engine_service.bench.hf_baselines import hf_continuous, hf_static, load_hf
+        from engine_service.bench.hf_baselines import load_hf, run_hf_baselines
         from engine_service.models.loader import resolve_model
 
         del llm  # give the memory back before HF loads its copy
         hf = load_hf(resolve_model(args.model))
-        res["hf_static"] = hf_static(hf, work, args.hf_batch_size)
-        print(f"hf static: {res['hf_static']['tok_per_s']:.1f} tok/s", flush=True)
-        res["hf_continuous"] = hf_continuous(hf, work)
-        print(f"hf continuous: {res['hf_continuous']['tok_per_s']:.1f} tok/s", flush=True)
+        res.update(run_hf_baselines(hf, work, args.hf_batch_size))
         ours = res["ours"]["tok_per_s"]
-        res["ratios"] = {
-            "vs_hf_static": ours / res["hf_static"]["tok_per_s"],
-            "vs_hf_static_ideal": 1 / res["hf_static"]["useful_fraction"],
-            "vs_hf_continuous": ours / res["hf_continuous"]["tok_per_s"],
-        }
+        res["ratios"] = {f"vs_{k}": ours / res[k]["tok_per_s"] for k in ("hf_static", "hf_continuous")
+                         if "tok_per_s" in res[k]}
+        if "useful_fraction" in res["hf_static"]:
+            res["ratios"]["vs_hf_static_ideal"] = 1 / res["hf_static"]["useful_fraction"]
     path = write_results("throughput", res, args.out)
     plot(res, path.with_suffix(".png"))
     print(f"wrote {path} and {path.with_suffix('.png')}")
@@ -132,10 +128,11 @@ def plot(res: dict, path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    names = ["DecodeLab"] + [n for n in ("hf_static", "hf_continuous") if n in res]
-    vals = [res["ours"]["tok_per_s"]] + [res[n]["tok_per_s"] for n in names[1:]]
-    labels = ["DecodeLab", "HF generate\n(static batches)", "HF generate_batch\n(continuous)"][:len(names)]
-    a.bar(labels, vals, color=["tab:green", "tab:gray", "tab:blue"][:len(names)])
+    runs = [("DecodeLab", "ours", "tab:green"), ("HF generate\n(static batches)", "hf_static", "tab:gray"),
+            ("HF generate_batch\n(continuous)", "hf_continuous", "tab:blue")]
+    runs = [r for r in runs if "tok_per_s" in res.get(r[1], {})]
+    vals = [res[key]["tok_per_s"] for _, key, _ in runs]
+    a.bar([label for label, _, _ in runs], vals, color=[color for _, _, color in runs])
     a.set_ylabel("generated tok/s")
     a.set_title(f"{res['model']} {res['dtype']}, {res['workload']['requests']} requests")
     for i, v in enumerate(vals):
