@@ -96,13 +96,19 @@ def run(args) -> int:
     res["peak_gflops"] = matmul_peak_gflops()
     print(f"fp32 matmul peak: {res['peak_gflops']:.1f} GFLOP/s", flush=True)
     llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=4))  # warm-up
+
+    def save() -> None:  # after every phase: an interrupted HF baseline loses nothing of ours
+        write_results("throughput", res, args.out)
+
     res["ours"] = run_engine(llm, work)
+    save()
     print(f"ours: {res['ours']['tok_per_s']:.1f} tok/s", flush=True)
     res["single_stream"] = single_stream(llm)
     print(f"single stream: {res['single_stream']['tok_per_s']:.1f} tok/s", flush=True)
     res["batched_decode"] = batched_decode(llm, batch=min(128, args.max_num_seqs), context=256)
     res["batched_decode"]["roofline_fraction"] = res["batched_decode"]["gflops"] / res["peak_gflops"]
     print(f"batched decode: {res['batched_decode']}", flush=True)
+    save()
     if not args.skip_hf:
         from engine_service.bench.hf_baselines import load_hf, run_hf_baselines
         from engine_service.models.loader import resolve_model
