@@ -19,20 +19,22 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from pydantic import ValidationError
 from redis.exceptions import RedisError
 
 from engine_service.sampling_params import SamplingParams
 from engine_service.worker import Worker, WorkerConfig, WorkerMetrics
 from shared.client import EngineClient, QueueFull, TextAccumulator
 from shared.keys import Keys
+from shared.limits import Limits
 from shared.openai_schema import (ChatBody, CompletionBody, chat_chunk, chat_logprobs, chat_response, completion_chunk,
                                   completion_logprobs, completion_response, error_body)
 from shared.protocol import DoneEvent, ErrorEvent, GenerationRequest, TokenEvent, validation_message
 
 log = logging.getLogger("decodelab.api")
 disable_created_metrics()
-STATUS_BY_CODE = {"invalid_request": 400, "unsupported_version": 400, "queue_full": 429, "deadline_exceeded": 504,
-                  "timeout": 504, "unavailable": 503, "lost": 503, "engine_error": 500}
+STATUS_BY_CODE = {"invalid_request": 400, "unsupported_version": 400, "limit_exceeded": 413, "queue_full": 429,
+                  "deadline_exceeded": 504, "timeout": 504, "unavailable": 503, "lost": 503, "engine_error": 500}
 
 
 class APIError(Exception):
@@ -50,6 +52,7 @@ class ServiceState:
     default_max_tokens: int = 256
     request_timeout: float = 600.0
     drain_timeout: float = 30.0
+    limits: Limits = field(default_factory=Limits.from_env)
     worker: Worker | None = None  # set once the model is loaded
     load_error: str | None = None
     started_at: float = field(default_factory=time.time)
@@ -113,6 +116,10 @@ def create_app(state: ServiceState) -> FastAPI:
         message = validation_message(list(e.errors()), skip_loc=1, what="body")
         return JSONResponse(error_body(message, "invalid_request_error"), status_code=400)
 
+    @app.exception_handler(ValidationError)  # a body the OpenAI schema took but the protocol refuses (e.g. 17 stops)
+    async def _protocol_error(_: Request, e: ValidationError) -> JSONResponse:
+        return JSONResponse(error_body(validation_message(e.errors()), "invalid_request_error"), status_code=400)
+
     # A dependency, not an HTTP middleware: BaseHTTPMiddleware hides client disconnects from the endpoints.
     async def check_api_key(request: Request) -> None:
         if state.api_key:
@@ -120,7 +127,12 @@ def create_app(state: ServiceState) -> FastAPI:
             if not hmac.compare_digest(given.encode(), state.api_key.encode()):
                 raise APIError(401, "invalid API key", "authentication_error")
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+    async def check_body_size(request: Request) -> None:  # before the body is read (chunked bodies: after)
+        length = request.headers.get("content-length", "0")
+        if (why := state.limits.check_size(int(length) if length.isdigit() else 0)):
+            raise APIError(413, why, code="limit_exceeded")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key), Depends(check_body_size)])
 
     @app.get("/health")
     async def health() -> dict:
@@ -148,21 +160,29 @@ def create_app(state: ServiceState) -> FastAPI:
 
     @v1.post("/completions")
     async def completions(body: CompletionBody, http: Request):
-        return await _serve(state, http, body, body.to_request(), chat=False, want_logprobs=body.logprobs is not None)
+        return await _serve(state, http, body, body.to_request(_client_id(http)), chat=False,
+                            want_logprobs=body.logprobs is not None)
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatBody, http: Request):
-        return await _serve(state, http, body, body.to_request(state.default_max_tokens), chat=True,
-                            want_logprobs=body.logprobs)
+        request = body.to_request(state.default_max_tokens, _client_id(http))
+        return await _serve(state, http, body, request, chat=True, want_logprobs=body.logprobs)
 
     app.include_router(v1)
     return app
+
+
+def _client_id(http: Request) -> str:
+    """Per-client limits count OpenAI requests by peer address (the `user` field is the caller's to choose)."""
+    return f"openai:{http.client.host if http.client else 'unknown'}"
 
 
 def _check(state: ServiceState, body, request: GenerationRequest) -> None:
     if body.model != state.model_name:
         raise APIError(404, f"model {body.model!r} does not exist; this service serves {state.model_name!r}",
                        code="model_not_found")
+    if (why := state.limits.check(request)):
+        raise APIError(413, why, code="limit_exceeded")
     try:  # the engine's own rules (mode/n/beam combinations, ...) before anything is queued
         SamplingParams(**request.params.model_dump())
     except ValueError as e:
@@ -175,8 +195,8 @@ async def _serve(state: ServiceState, http: Request, body, request: GenerationRe
     client = state.client
     try:
         sub = await client.submit(request)
-    except QueueFull as e:
-        raise APIError(429, str(e), "rate_limit_error", "queue_full") from None
+    except QueueFull as e:  # or ClientBusy: this client has too many requests queued or running
+        raise APIError(429, str(e), "rate_limit_error", e.code) from None
     except (RedisError, OSError) as e:
         raise APIError(503, f"Redis unavailable: {e}", "service_unavailable") from None
     rid, model = request.request_id, body.model

@@ -56,6 +56,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens (default: the model's)")
     p.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     p.add_argument("--draft-model", default=None)
@@ -72,7 +73,8 @@ def engine_config_from_args(args):
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
                         draft_model=args.draft_model,
-                        enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads)
+                        enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads,
+                        max_model_len=getattr(args, "max_model_len", None))
 
 
 def read_prompts(args) -> list:

@@ -24,6 +24,7 @@ from redis.exceptions import ResponseError
 from engine_service.kv_snapshot import kv_snapshot
 from engine_service.sampling_params import SamplingParams
 from shared.keys import Keys
+from shared.limits import Limits
 from shared.protocol import (PROTOCOL_VERSION, REQUEST_ID_PATTERN, Completion, DoneEvent, ErrorEvent,
                              GenerationRequest, Metrics, TokenEvent, TokenLogprob, decode_request, encode,
                              validation_message)
@@ -52,6 +53,7 @@ class WorkerConfig:
     max_pull: int = 16  # most entries taken in one read
     stats_interval_s: float = 0.25  # engine.stats() refresh (capacity, /metrics); it walks every KV block
     kv_snapshot_ttl_s: float = 6.0  # the KV snapshot key (playground block map) outlives a stalled replica this long
+    limits: Limits = field(default_factory=Limits.from_env)
 
     @property
     def heartbeat_s(self) -> float:
@@ -114,7 +116,9 @@ class Worker:
     def __init__(self, engine, config: WorkerConfig, metrics: WorkerMetrics | None = None):
         self.engine, self.cfg, self.keys = engine, config, config.keys
         self.metrics = metrics or WorkerMetrics(CollectorRegistry())
-        self.redis = redis.Redis.from_url(config.redis_url, decode_responses=True, socket_connect_timeout=2,
+        # encoding_errors="replace": a stream entry that is not UTF-8 becomes a refused request, not an intake error
+        self.redis = redis.Redis.from_url(config.redis_url, decode_responses=True, encoding_errors="replace",
+                                          socket_connect_timeout=2,
                                           socket_timeout=config.read_block_ms / 1000 + 5, health_check_interval=5)
         self._finish = self.redis.register_script(FINISH)
         self._heartbeat = self.redis.register_script(HEARTBEAT)
@@ -224,13 +228,20 @@ class Worker:
                 req = job.request
                 prompt = req.prompt
                 if req.messages is not None:
-                    prompt = self.engine.tokenizer.apply_chat_template(
-                        [m.model_dump() for m in req.messages], tokenize=False, add_generation_prompt=True)
+                    try:
+                        prompt = self.engine.tokenizer.apply_chat_template(
+                            [m.model_dump() for m in req.messages], tokenize=False, add_generation_prompt=True)
+                    except Exception as e:  # jinja's TemplateError (raise_exception in the template), ...
+                        raise ValueError(f"messages: the model's chat template refused them: {e}") from None
+                if isinstance(prompt, str):  # counted before the engine sees it (a token-id prompt at intake)
+                    if (why := self.cfg.limits.check_prompt_tokens(len(self.engine.tokenizer(prompt).input_ids))):
+                        self._end(job, self._error(job, "limit_exceeded", why))
+                        return
                 self.engine.add_request(job.rid, prompt, SamplingParams(**req.params.model_dump()))
                 job.started = True
             except (ValueError, TypeError) as e:
                 self._end(job, self._error(job, "invalid_request", str(e)))
-            except Exception as e:  # e.g. a chat template that cannot render these messages
+            except Exception as e:  # a bug, not the request's fault: report it, keep serving
                 log.exception("add_request %s", job.rid)
                 self.engine.abort(job.rid)
                 self._end(job, self._error(job, "engine_error", f"{type(e).__name__}: {e}"))
@@ -320,7 +331,7 @@ class Worker:
         self.jobs.pop(job.rid, None)
         outcome = terminal.finish_reason if isinstance(terminal, DoneEvent) else terminal.code
         self.metrics.finished.labels(outcome or "unknown").inc()
-        self._outbox.put(("finish", job.rid, job.entry_id, encode(terminal)))
+        self._outbox.put(("finish", job.rid, job.entry_id, encode(terminal), job.request.client_id))
 
     # ---- intake thread
     def _intake_loop(self) -> None:
@@ -397,21 +408,28 @@ class Worker:
         if rid in self.jobs:
             return  # ours already (claimed back after a stall)
         now = time.time()
+        request = None
         try:
             if fields.get("v") != str(PROTOCOL_VERSION):
                 raise _Refused("unsupported_version",
                                f"protocol version {fields.get('v')!r}; this replica speaks {PROTOCOL_VERSION}")
+            if (why := self.cfg.limits.check_size(len(fields["data"].encode()))):
+                raise _Refused("limit_exceeded", why)
             try:
                 request = decode_request(fields["data"])
             except ValidationError as e:
                 raise _Refused("invalid_request", validation_message(e.errors())) from None
+            if (why := self.cfg.limits.check(request)):
+                raise _Refused("limit_exceeded", why)
             if request.request_id != rid:
                 raise _Refused("invalid_request", "request_id does not match the stream entry")
             if request.model and self.cfg.model_name and request.model != self.cfg.model_name:
                 raise _Refused("invalid_request", f"model {request.model!r} is not served (serving "
                                                   f"{self.cfg.model_name!r})")
         except _Refused as e:
-            job = Job(GenerationRequest(request_id=_safe_id(rid, entry_id), prompt=""), entry_id, 1, now)
+            client_id = request.client_id if request is not None else ""  # frees its slot when the finish runs
+            job = Job(GenerationRequest(request_id=_safe_id(rid, entry_id), prompt="", client_id=client_id),
+                      entry_id, 1, now)
             self._end(job, self._error(job, e.code, e.message))
             return
         pipe = self.redis.pipeline(transaction=False)
@@ -458,10 +476,10 @@ class Worker:
                     elif item[0] == "kv":
                         pipe.set(item[1], item[2], px=int(self.cfg.kv_snapshot_ttl_s * 1000))
                     else:
-                        _, rid, entry_id, payload = item
+                        _, rid, entry_id, payload, client_id = item
                         self._finish(keys=[self.keys.result(rid), self.keys.events(rid), self.keys.stream,
-                                           self.keys.owner(rid)],
-                                     args=[self.keys.group, entry_id, payload, self.cfg.result_ttl_s], client=pipe)
+                                           self.keys.owner(rid), self.keys.client(client_id)],
+                                     args=[self.keys.group, entry_id, payload, self.cfg.result_ttl_s, rid], client=pipe)
                 for reply in pipe.execute(raise_on_error=False):
                     if isinstance(reply, Exception):
                         log.error("publish: Redis refused a command: %s", reply)

@@ -17,13 +17,20 @@ from redis.asyncio.client import PubSub
 from redis.exceptions import RedisError, ResponseError
 
 from shared.keys import Keys
+from shared.limits import Limits
 from shared.protocol import (PROTOCOL_VERSION, DoneEvent, ErrorEvent, GenerationRequest, TerminalEvent,
                              TokenEvent, decode_event, encode)
 from shared.scripts import SUBMIT
 
 
 class QueueFull(Exception):
-    pass
+    code = "queue_full"
+
+
+class ClientBusy(QueueFull):
+    """The client (client_id) already has `max_per_client` requests queued or running."""
+
+    code = "too_many_requests"
 
 
 def _s(value: str | bytes) -> str:
@@ -83,11 +90,12 @@ class TextAccumulator:
 
 class EngineClient:
     def __init__(self, redis: aioredis.Redis | str, keys: Keys | None = None, *, max_queue: int | None = None,
-                 recover_after: float = 3.0, lost_after: float = 5.0, timeout: float = 600.0,
-                 result_ttl: int = 3600) -> None:
+                 max_per_client: int | None = None, recover_after: float = 3.0, lost_after: float = 5.0,
+                 timeout: float = 600.0, result_ttl: int = 3600) -> None:
         self.redis = aioredis.Redis.from_url(redis, decode_responses=True) if isinstance(redis, str) else redis
         self.keys = keys or Keys.from_env()
         self.max_queue = max_queue if max_queue is not None else int(os.environ.get("DECODELAB_MAX_QUEUE", 256))
+        self.max_per_client = max_per_client if max_per_client is not None else Limits.from_env().max_per_client
         self.recover_after = recover_after  # silence after which the result key is checked
         self.lost_after = lost_after  # how long a request may be unknown to Redis (no entry, no owner) before `lost`
         self.timeout = timeout  # default overall wait for one request
@@ -99,19 +107,25 @@ class EngineClient:
         await self.redis.aclose()
 
     async def submit(self, request: GenerationRequest) -> Submission:
-        """Subscribe to the request's channel, then enqueue it; raises QueueFull beyond the bound."""
+        """Subscribe to the request's channel, then enqueue it; raises QueueFull (or ClientBusy) beyond the bounds."""
         if not self._group_ready:
             await ensure_group(self.redis, self.keys)
             self._group_ready = True
         pubsub = self.redis.pubsub()
         try:
             await pubsub.subscribe(self.keys.events(request.request_id))
+            per_client = self.max_per_client if request.client_id else 0
             ok, value = await self._submit(
-                keys=[self.keys.stream],
-                args=[self.keys.group, self.max_queue, PROTOCOL_VERSION, request.request_id, encode(request)])
+                keys=[self.keys.stream, self.keys.client(request.client_id)],
+                args=[self.keys.group, self.max_queue, PROTOCOL_VERSION, request.request_id, encode(request),
+                      per_client, int(self.timeout) + 60])
         except BaseException:
             await pubsub.aclose()
             raise
+        if int(ok) == 2:
+            await pubsub.aclose()
+            raise ClientBusy(f"too many requests: client {request.client_id!r} has {_s(value)} queued or running "
+                             f"(limit {self.max_per_client}); retry when one has finished")
         if not int(ok):
             await pubsub.aclose()
             raise QueueFull(f"queue full: {_s(value)} requests waiting (limit {self.max_queue}); retry later")
@@ -180,6 +194,7 @@ class EngineClient:
                         # Unknown: after a Redis restart the running replica re-registers within a heartbeat.
                         missing_since = None if known else (missing_since or now)
                         if missing_since is not None and now - missing_since >= self.lost_after:
+                            await self.redis.zrem(self.keys.client(sub.request.client_id), rid)  # free its slot
                             yield ErrorEvent(request_id=rid, seq=0, attempt=max(attempt, 1), code="lost",
                                              message="the request is gone from Redis with no result "
                                                      "(was Redis restarted without persistence?)")

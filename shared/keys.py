@@ -42,6 +42,9 @@ class Keys:
     def owner(self, request_id: str) -> str:  # replica running it, kept alive by its heartbeat
         return f"{self.prefix}:owner:{request_id}"
 
+    def client(self, client_id: str) -> str:  # sorted set: the client's queued or running request ids, by expiry
+        return f"{self.prefix}:client:{client_id}"
+
     def replica(self, name: str) -> str:  # replica heartbeat: model name and load, with a TTL
         return f"{self.prefix}:replica:{name}"
 

@@ -18,7 +18,7 @@ class _Body(SamplingExtras):
     temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 63)
     stream: bool = False
     stream_options: dict | None = None
     user: str | None = None

@@ -12,6 +12,7 @@ PROTOCOL_VERSION = 1
 Mode = Literal["greedy", "sample", "beam", "speculative"]
 ErrorCode = Literal[
     "invalid_request",      # the replica (or engine) refused the request's content
+    "limit_exceeded",       # above a service limit (shared/limits.py): prompt size, n, beam width
     "unsupported_version",  # protocol version mismatch
     "queue_full",           # backpressure: refused at submit time
     "deadline_exceeded",    # dropped before or during generation
@@ -29,7 +30,7 @@ class _Model(BaseModel):
 class SamplingExtras(_Model):
     """The vLLM sampling fields beyond OpenAI's (the OpenAI endpoints accept them as extra body fields)."""
 
-    top_k: int = Field(-1, ge=-1)
+    top_k: int = Field(-1, ge=-1, lt=1 << 31)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
     stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
@@ -37,7 +38,7 @@ class SamplingExtras(_Model):
     min_tokens: int = Field(0, ge=0)
     mode: Mode | None = None
     beam_width: int = Field(1, ge=1, le=64)
-    length_penalty: float = 1.0
+    length_penalty: float = Field(1.0, ge=-10.0, le=10.0)  # len ** penalty must stay a finite float
     early_stopping: bool | Literal["never"] = False
     proposer: Literal["draft", "ngram"] = "ngram"
     num_speculative_tokens: int = Field(4, ge=1, le=16)
@@ -51,7 +52,7 @@ class SamplingOptions(SamplingExtras):
     n: int = Field(1, ge=1, le=16)
     temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 63)  # what torch.Generator.manual_seed takes
     stop: list[str] = Field(default_factory=list, max_length=16)
     max_tokens: int = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)

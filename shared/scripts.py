@@ -1,24 +1,41 @@
 """The Redis protocol's atomic steps as Lua scripts (see docs/redis-protocol.md)."""
 
-# Client submit with a bounded queue. KEYS: stream. ARGV: group, max waiting, version, request id, request JSON.
+# Client submit with a bounded queue and a bound per client. KEYS: stream, client set. ARGV: group, max waiting,
+# version, request id, request JSON, max per client (0: none), seconds a request may hold its client slot.
 # Waiting = entries not yet delivered to a replica (XLEN minus the group's pending count; done entries are deleted).
+# The client set holds the client's unfinished request ids scored by expiry (server time), so a request whose
+# finish never came (a lost Redis entry) frees its slot by itself; the finish script removes the id.
 SUBMIT = """
+local limit = tonumber(ARGV[6])
+local now = tonumber(redis.call('TIME')[1])
+if limit > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+  local busy = redis.call('ZCARD', KEYS[2])
+  if busy >= limit then return {2, tostring(busy)} end
+end
 local ok, pending = pcall(redis.call, 'XPENDING', KEYS[1], ARGV[1])
 local inflight = 0
 if ok then inflight = tonumber(pending[1]) end
 local waiting = redis.call('XLEN', KEYS[1]) - inflight
 if waiting >= tonumber(ARGV[2]) then return {0, tostring(waiting)} end
-return {1, redis.call('XADD', KEYS[1], '*', 'v', ARGV[3], 'id', ARGV[4], 'data', ARGV[5])}
+local id = redis.call('XADD', KEYS[1], '*', 'v', ARGV[3], 'id', ARGV[4], 'data', ARGV[5])
+if limit > 0 then
+  redis.call('ZADD', KEYS[2], now + tonumber(ARGV[7]), ARGV[4])
+  redis.call('EXPIRE', KEYS[2], tonumber(ARGV[7]))
+end
+return {1, id}
 """
 
-# Replica finish. KEYS: result, events channel, stream, owner. ARGV: group, entry id, terminal event JSON, ttl s.
-# SET result NX (first finisher wins: exactly one completion), PUBLISH it only then, ACK + delete the entry.
+# Replica finish. KEYS: result, events channel, stream, owner, client set. ARGV: group, entry id, terminal event
+# JSON, ttl s, request id. SET result NX (first finisher wins: exactly one completion), PUBLISH it only then,
+# ACK + delete the entry, free the client's slot.
 FINISH = """
 local won = redis.call('SET', KEYS[1], ARGV[3], 'NX', 'EX', ARGV[4])
 if won then redis.call('PUBLISH', KEYS[2], ARGV[3]) end
 pcall(redis.call, 'XACK', KEYS[3], ARGV[1], ARGV[2])
 redis.call('XDEL', KEYS[3], ARGV[2])
 redis.call('DEL', KEYS[4])
+redis.call('ZREM', KEYS[5], ARGV[5])
 return won and 1 or 0
 """
 

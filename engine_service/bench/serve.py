@@ -196,7 +196,7 @@ def run(args) -> int:
             arrivals = poisson_arrivals(rate, args.num_requests, rng)
 
             async def through_redis() -> dict:
-                client = EngineClient(url, keys, max_queue=10 * args.num_requests)
+                client = EngineClient(url, keys, max_queue=10 * args.num_requests, max_per_client=0)  # no cap
                 await run_redis(client, prompts[:2], [0.0, 0.0], 4)  # warm-up
                 try:
                     return await run_redis(client, prompts, arrivals, args.max_tokens)

@@ -4,12 +4,16 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 import uuid
 
+import httpx
 import pytest
 import redis
+import uvicorn
+from prometheus_client import CollectorRegistry
 
-from engine_service.redis_server import RedisServer
+from engine_service.redis_server import RedisServer, free_port
 from replicas import ROOT, Replica, wait_until  # noqa: F401  (re-exported for the tests)
 from shared.keys import Keys
 
@@ -85,13 +89,34 @@ def worker(make_worker):
 def spawn_replica(tiny_llama_dir, redis_server, keys):
     replicas: list[Replica] = []
 
-    def spawn(name: str, redis_url: str | None = None, **kw) -> Replica:
+    def spawn(name: str, *extra: str, redis_url: str | None = None, **kw) -> Replica:
         replica = Replica(tiny_llama_dir, redis_url or redis_server.url, keys, name,
                           "--num-kv-blocks", str(ENGINE_KW["num_kv_blocks"]), "--max-num-seqs", "4",
-                          "--claim-idle", str(kw.pop("claim_idle", 1.5)), drain_timeout=2, **kw)
+                          "--claim-idle", str(kw.pop("claim_idle", 1.5)), *extra, drain_timeout=2, **kw)
         replicas.append(replica)
         return replica
 
     yield spawn
     for r in replicas:
         r.kill(signal.SIGTERM if r.proc.poll() is None else signal.SIGKILL)
+
+
+@pytest.fixture
+def api(make_worker, redis_server, keys):
+    """The replica's FastAPI app under a real uvicorn, in-process, over the in-process worker: (state, http)."""
+    from engine_service.api import ServiceState, create_app
+    from engine_service.worker import WorkerMetrics
+    from shared.client import EngineClient
+
+    registry = CollectorRegistry()
+    state = ServiceState("tiny", EngineClient(redis_server.url, keys), registry, drain_timeout=2)
+    state.worker = make_worker(metrics=WorkerMetrics(registry))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started, 20, what="uvicorn started")
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
+        yield state, http
+    server.should_exit = True
+    thread.join(20)

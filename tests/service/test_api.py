@@ -1,39 +1,16 @@
 """The replica's HTTP API (real uvicorn, real worker and engine): health, metrics, OpenAI endpoints, bad input."""
 import json
-import threading
 
 import httpx
 import pytest
-import uvicorn
-from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine_service.api import ServiceState, create_app
-from engine_service.redis_server import free_port
 from engine_service.sampling_params import SamplingParams
-from engine_service.worker import WorkerMetrics
-from shared.client import EngineClient
 from shared.protocol import decode_event
 
 from .conftest import wait_until
 
 GREEDY = dict(temperature=0, ignore_eos=True)
-
-
-@pytest.fixture
-def api(make_worker, redis_server, keys):
-    registry = CollectorRegistry()
-    state = ServiceState("tiny", EngineClient(redis_server.url, keys), registry, drain_timeout=2)
-    state.worker = make_worker(metrics=WorkerMetrics(registry))
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    wait_until(lambda: server.started, 20, what="uvicorn started")
-    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
-        yield state, http
-    server.should_exit = True
-    thread.join(20)
 
 
 def _sse(response) -> list:
@@ -117,6 +94,10 @@ BAD = [
     ({"prompt": "x"}, 400, "model"),
     ({"model": "tiny", "prompt": "x", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
     ({"model": "tiny", "prompt": "x", "unheard_of": 1}, 400, "unheard_of"),
+    ({"model": "tiny", "prompt": "x", "stop": ["a"] * 17}, 400, "stop"),  # the body allows it, the protocol does not
+    ({"model": "tiny", "prompt": "x", "top_k": 1 << 63}, 400, "top_k"),  # would overflow the sampler's int64
+    ({"model": "tiny", "prompt": "x", "mode": "beam", "temperature": 0, "length_penalty": 1e308}, 400, "length"),
+    ({"model": "tiny", "prompt": "x", "seed": 1 << 64}, 400, "seed"),
 ]
 
 
