@@ -31,3 +31,18 @@ def require_triton() -> None:
 
 def dot_upcast(dtype: torch.dtype) -> bool:
     return INTERPRET and dtype == torch.bfloat16
+
+
+@triton.jit
+def load_kv_tile(k_ptr, v_ptr, bt_row_ptr, t, tmask, kvh, d, D, stride_kb, stride_kt, stride_kh,
+                 PAGE: tl.constexpr, UPCAST: tl.constexpr):
+    # K and V rows of one sequence's context positions `t`, found through its block table row
+    blk = tl.load(bt_row_ptr + t // PAGE, mask=tmask, other=0).to(tl.int64)
+    row = blk * stride_kb + (t % PAGE) * stride_kt + kvh * stride_kh
+    kv_mask = tmask[:, None] & (d[None, :] < D)
+    k = tl.load(k_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v

@@ -1,7 +1,7 @@
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import dot_upcast, require_triton, tl, triton
+from kernels._triton import dot_upcast, load_kv_tile, require_triton, tl, triton
 from kernels._workspace import gather_blocks
 
 
@@ -66,14 +66,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, lens_ptr, bt_ptr, qk_s
     for t0 in range(0, kv_end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         tmask = t < kv_end
-        blk = tl.load(bt_ptr + s * stride_btb + t // PAGE, mask=tmask, other=0).to(tl.int64)
-        row = blk * stride_kb + (t % PAGE) * stride_kt + kvh * stride_kh
-        kv_mask = tmask[:, None] & (d[None, :] < D)
-        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = load_kv_tile(k_ptr, v_ptr, bt_ptr + s * stride_btb, t, tmask, kvh, d, D,
+                            stride_kb, stride_kt, stride_kh, PAGE, UPCAST)
         sc = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
         # key 0 is visible to every query, so each real row has a finite max after the first iteration
         sc = tl.where((t[None, :] <= pos[:, None]) & tmask[None, :], sc, float("-inf"))
