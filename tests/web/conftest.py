@@ -45,19 +45,24 @@ def _keys(name: str) -> Keys:
     return Keys(f"web-{name}-{uuid.uuid4().hex[:6]}")
 
 
-@pytest.fixture(scope="session")
-def tiny_stack(redis_server, tiny_llama_dir):
-    """(web app, replica, keys) on the tiny model; the replica starts while the caller loads other things."""
-    keys = _keys("tiny")
-    replica = Replica(tiny_llama_dir, redis_server.url, keys, "tiny-1",
-                      "--num-kv-blocks", str(TINY_KV_BLOCKS), "--max-num-seqs", "16", served="tiny")
-    web = WebApp(redis_server.url, keys)
+def _stack(redis_url: str, model, served: str, name: str, kv_blocks: int):
+    """A replica of `model` and the playground on a fresh key prefix; the replica loads while the web starts."""
+    keys = _keys(served.split("-")[0])
+    replica = Replica(model, redis_url, keys, name, "--num-kv-blocks", str(kv_blocks), "--max-num-seqs", "16",
+                      served=served)
+    web = WebApp(redis_url, keys)
     try:
         replica.wait_ready()
         yield web, replica, keys
     finally:
         web.close()
         replica.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_stack(redis_server, tiny_llama_dir):
+    """(web app, replica, keys) on the tiny model; the replica starts while the caller loads other things."""
+    yield from _stack(redis_server.url, tiny_llama_dir, "tiny", "tiny-1", TINY_KV_BLOCKS)
 
 
 @pytest.fixture(scope="session")
@@ -69,16 +74,7 @@ def tiny_reference(tiny_llama_dir):
 
 @pytest.fixture(scope="session")
 def smol_stack(redis_server, smollm2_dir):
-    keys = _keys("smol")
-    replica = Replica(smollm2_dir, redis_server.url, keys, "smollm2-1",
-                      "--num-kv-blocks", "512", "--max-num-seqs", "16", served="smollm2-135m")
-    web = WebApp(redis_server.url, keys)
-    try:
-        replica.wait_ready()
-        yield web, replica, keys
-    finally:
-        web.close()
-        replica.stop()
+    yield from _stack(redis_server.url, smollm2_dir, "smollm2-135m", "smollm2-1", 512)
 
 
 @pytest.fixture(scope="session")
