@@ -9,6 +9,7 @@ from engine_service.config import EngineConfig
 from engine_service.cuda_graphs import decode_graphs_for
 from engine_service.models.llama import CausalLM
 from engine_service.models.loader import load_config, load_weights
+from engine_service.models.packed_linear import packing_enabled
 from engine_service.scheduler import ScheduledBatch
 from engine_service.sequence import Sequence
 
@@ -36,6 +37,8 @@ class ModelRunner:
         model.cos, model.sin = _rope_buffers(model, self.hf_config)
         model.load_hf_weights(load_weights(model_dir))
         self.model = model.to(self.dtype).eval()
+        if packing_enabled(self.device, self.dtype):
+            self.model.pack_linears()
         self.num_blocks = config.num_kv_blocks or self._blocks_from_budget()
         self.kv_cache = self._allocate_kv_cache(self.num_blocks)
         self.graphs = decode_graphs_for(self)  # CUDA graphs for decode-only steps; None on CPU / enforce_eager

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_service.attention import AttentionMetadata, PagedAttention
+from engine_service.models.packed_linear import Linear, pack_weight, packed_linear
 
 
 class RMSNorm(nn.Module):
@@ -60,8 +61,8 @@ class Attention(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=getattr(config, "attention_bias", False))
+        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=getattr(config, "attention_bias", False))
         self.sizes = [q_size, kv_size, kv_size]
         self.attn = PagedAttention(backend, self.head_dim ** -0.5)
         self.k_cache: torch.Tensor | None = None  # bound by the model runner
@@ -81,8 +82,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -111,7 +112,8 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.packed_head: torch.Tensor | None = None
         cos, sin = rope_tables(config, config.max_position_embeddings)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -125,8 +127,20 @@ class CausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.tie_word_embeddings:
+            if self.packed_head is not None:
+                return packed_linear(hidden, self.packed_head, None).float()
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
+
+    def pack_linears(self) -> None:
+        """Reorders every matmul weight for oneDNN (CPU); see packed_linear.py. A tied head keeps the
+        dense embedding for lookups and a packed copy for the logits."""
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.pack()
+        if self.tie_word_embeddings:
+            self.packed_head = pack_weight(self.embed_tokens.weight)
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Load an HF Llama/Qwen2 state dict, fusing q/k/v and gate/up."""
