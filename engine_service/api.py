@@ -22,6 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 
+from engine_service.body_limit import BodyLimit
 from engine_service.sampling_params import SamplingParams
 from engine_service.worker import Worker, WorkerConfig, WorkerMetrics
 from shared.client import EngineClient, QueueFull, TextAccumulator
@@ -127,12 +128,8 @@ def create_app(state: ServiceState) -> FastAPI:
             if not hmac.compare_digest(given.encode(), state.api_key.encode()):
                 raise APIError(401, "invalid API key", "authentication_error")
 
-    async def check_body_size(request: Request) -> None:  # before the body is read (chunked bodies: after)
-        length = request.headers.get("content-length", "0")
-        if (why := state.limits.check_size(int(length) if length.isdigit() else 0)):
-            raise APIError(413, why, code="limit_exceeded")
-
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key), Depends(check_body_size)])
+    app.add_middleware(BodyLimit, why_too_large=lambda n: state.limits.check_size(n))
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
 
     @app.get("/health")
     async def health() -> dict:

@@ -152,7 +152,7 @@ class Run:
             try:
                 sub = await asyncio.wait_for(client.submit(col.request), 5.0)
             except QueueFull as e:
-                col.fail(str(e), "queue_full")
+                col.fail(str(e), e.code)  # queue_full, or too_many_requests for this browser session
                 return
             except (RedisError, OSError, asyncio.TimeoutError) as e:
                 col.fail(f"Redis unreachable: {e or type(e).__name__}", "unavailable")

@@ -15,8 +15,9 @@ def compose_binary() -> str:
     return str(Path(spec.submodule_search_locations[0]) / "docker-compose")
 
 
-def compose(*args: str, password: str | None = "pw") -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "REDIS_PASSWORD"}
+def compose(*args: str, password: str | None = "pw", extra_env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_PASSWORD" and not k.startswith("DECODELAB_MAX_")}
+    env.update(extra_env or {})
     if password is not None:
         env["REDIS_PASSWORD"] = password
     return subprocess.run([compose_binary(), "-f", str(ROOT / "compose.yaml"), *args], env=env, cwd=ROOT,
@@ -45,3 +46,15 @@ def test_services_have_the_required_shape():
     assert [p["published"] for p in web["ports"]] == ["7860"]
     assert {k: v["condition"] for k, v in web["depends_on"].items()} == {
         "redis": "service_healthy", "engine": "service_healthy"}
+
+
+def test_every_service_limit_reaches_the_replicas_and_the_web_ui():
+    from shared.limits import ENV, Limits
+
+    config = json.loads(compose("--profile", "gpu", "config", "--format", "json").stdout)
+    defaults = Limits()
+    for service in ("engine", "engine-gpu", "web"):
+        env = config["services"][service]["environment"]
+        assert {name: int(env[var]) for name, var in ENV.items()} == vars(defaults), service
+    overridden = compose("config", "--format", "json", extra_env={"DECODELAB_MAX_N": "4"})
+    assert json.loads(overridden.stdout)["services"]["web"]["environment"]["DECODELAB_MAX_N"] == "4"

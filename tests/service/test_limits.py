@@ -126,3 +126,20 @@ def test_openai_endpoints_answer_413_over_a_limit_and_429_over_the_client_limit(
         return r if r.status_code == 200 else None
 
     assert wait_until(admitted, 10, 0.1, "the client's slot freed").json()["usage"]["completion_tokens"] == 2
+
+
+def test_an_oversized_body_is_refused_before_it_is_read_declared_or_chunked(api):
+    state, http = api
+    state.limits = Limits(max_request_bytes=2000)
+    declared = http.post("/v1/completions", content=b"{" + b" " * 5000 + b"}",
+                         headers={"content-type": "application/json"})
+
+    def chunked():  # no Content-Length: counted as it arrives, refused once past the limit
+        for i in range(200):
+            yield b'{"prompt": "' if i == 0 else b"x" * 100
+    streamed = http.post("/v1/completions", content=chunked(), headers={"content-type": "application/json"})
+    for r in (declared, streamed):
+        assert r.status_code == 413, r.text
+        assert r.json()["error"]["code"] == "limit_exceeded" and "bytes of JSON" in r.json()["error"]["message"]
+    ok = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2, **GREEDY})
+    assert ok.status_code == 200, ok.text  # the next request is served

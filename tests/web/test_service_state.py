@@ -61,3 +61,22 @@ def test_a_replica_that_goes_away_mid_run_ends_the_run_with_a_message(redis_serv
         web.close()
         for rid in list(engine.requests):
             engine.abort(rid)
+
+
+def test_a_session_over_its_request_limit_sees_too_many_requests_not_queue_full(redis_server, monkeypatch):
+    from web.modes import Settings
+    from web.session import Run, Service
+
+    monkeypatch.setenv("DECODELAB_MAX_PER_CLIENT", "1")  # no replica: the first request stays queued
+    run = Run(Service(redis_server.url, _keys("busy")), Settings(prompt="x", chat=False), share_prompt=False,
+              client_id="session-1")
+
+    async def main():
+        async for _ in run.updates(min_interval=0.01):
+            failed = [c for c in run.columns.values() if c.status == "error"]
+            if len(failed) == 3:
+                assert all(c.error_code == "too_many_requests" and "session-1" in c.error for c in failed), failed
+                run.stop()
+        assert [c.status for c in run.columns.values()].count("cancelled") == 1
+
+    asyncio.run(asyncio.wait_for(main(), 20))
