@@ -307,6 +307,9 @@ def add_service_args(p: argparse.ArgumentParser) -> None:
                    help="seconds before a dead replica's request is re-run elsewhere")
     p.add_argument("--max-queue", type=int, default=int(env("DECODELAB_MAX_QUEUE", 256)),
                    help="requests waiting in Redis beyond which new ones are refused")
+    p.add_argument("--expected-tokens", type=int, default=int(env("DECODELAB_EXPECTED_TOKENS", 256)),
+                   help="per-request KV estimate (prompt + output tokens) when deciding how many requests to pull; "
+                        "lower admits more and relies on preemption when they outgrow the pool")
     p.add_argument("--default-max-tokens", type=int, default=256, help="chat completions without max_tokens")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="on shutdown, seconds to finish running requests")
     p.add_argument("--log-level", default=env("DECODELAB_LOG_LEVEL", "info"))
@@ -319,7 +322,7 @@ def _load(state: ServiceState, args, metrics: WorkerMetrics, server) -> None:
     try:
         engine = LLMEngine(engine_config_from_args(args))
         cfg = WorkerConfig(args.redis_url, keys=state.client.keys, model_name=state.model_name,
-                           claim_idle_s=args.claim_idle)
+                           claim_idle_s=args.claim_idle, expected_tokens=args.expected_tokens)
         if args.replica_name:
             cfg.name = args.replica_name
         state.worker = Worker(engine, cfg, metrics).start()

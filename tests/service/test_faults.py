@@ -145,3 +145,37 @@ def test_a_slow_subscriber_that_redis_disconnects_gets_each_token_once_and_the_f
     assert len(terminals) == 1 and isinstance(terminals[0], DoneEvent) and terminals[0].text == want
     assert seqs == sorted(set(seqs)) and len(seqs) >= 5  # no token twice, in order
     assert want.startswith(shown)  # what the reader showed before the gap is the start of the final text
+
+
+def test_a_replica_dead_between_its_final_event_and_the_ack_is_not_run_twice(make_worker, engine, redis_server,
+                                                                                keys, sync_redis):
+    """Our finish (result SET NX + PUBLISH + XACK) is one Lua script, so kill -9 lands before it (the request is
+    re-run: test_replicas.py, the prefill test above) or after it (nothing left). Here we build the state that
+    a death between the two would leave: the result stored and published, the entry still pending on a dead
+    consumer. The replica that claims it must ACK it without running it again or publishing a second result."""
+    async def main():
+        r = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+        seen = Counter()
+        watcher = asyncio.create_task(_watch(r, keys, seen))
+        await asyncio.sleep(0.2)
+        client = EngineClient(r, keys)
+        sub = await client.submit(GenerationRequest(prompt="finished once", params=SamplingOptions(max_tokens=4,
+                                                                                                   **GREEDY)))
+        await r.xreadgroup(keys.group, "ghost", {keys.stream: ">"}, count=1)  # the replica that will "die"
+        done = DoneEvent(request_id=sub.request_id, seq=0, finish_reason="length", text="abcd", outputs=[])
+        await r.set(keys.result(sub.request_id), done.model_dump_json(), ex=60)
+        await r.publish(keys.events(sub.request_id), done.model_dump_json())  # its final event... and no ACK
+        got = await _terminal(client, sub, 10)
+        steps_before = engine.num_steps
+        make_worker(claim_idle_s=0.5)  # a live replica claims the idle entry
+        await asyncio.to_thread(wait_until, lambda: sync_redis.xpending(keys.stream, keys.group)["pending"] == 0,
+                                10, 0.02, "the orphan entry acknowledged")
+        await asyncio.sleep(0.5)  # a second completion would show up now
+        watcher.cancel()
+        await client.close()
+        return got, done, seen, engine.num_steps - steps_before
+
+    got, done, seen, steps = run(main())
+    assert got == done and steps == 0  # delivered once, never re-run
+    assert seen == Counter({("done", 1): 1})
+    assert sync_redis.xlen(keys.stream) == 0
