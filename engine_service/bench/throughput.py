@@ -58,6 +58,36 @@ def matmul_flops_per_token(model) -> int:
     return 2 * (n + model.config.vocab_size * model.config.hidden_size * (model.lm_head is None))
 
 
+def linear_paths(model, rows=(1, 2, 8, 128, 512), repeats: int = 5) -> dict:
+    """All matmuls of one forward (random weights of the model's shapes) with `rows` tokens: torch's default
+    F.linear vs the oneDNN-packed weights the engine uses on CPU (docs/kernels.md). Median ms per forward."""
+    from engine_service.models.packed_linear import pack_weight, packed_linear, packing_enabled
+
+    if not packing_enabled(torch.device("cpu"), torch.float32):
+        return {}
+    shapes = [(m.out_features, m.in_features) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    if model.lm_head is None:
+        shapes.append((model.config.vocab_size, model.config.hidden_size))
+    dense = [torch.randn(shape) for shape in shapes]
+    packed = [pack_weight(w) for w in dense]
+    out = {}
+    for n in rows:
+        xs = [torch.randn(n, w.shape[1]) for w in dense]
+
+        def timed(fn) -> float:
+            fn()
+            times = []
+            for _ in range(repeats):
+                t = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t)
+            return median(times) * 1e3
+        a = timed(lambda: [torch.nn.functional.linear(x, w) for x, w in zip(xs, dense)])
+        b = timed(lambda: [packed_linear(x, w, None) for x, w in zip(xs, packed)])
+        out[str(n)] = {"f_linear_ms": a, "packed_ms": b, "ratio": a / b}
+    return out
+
+
 def batched_decode(llm, batch: int, context: int, steps: int = 8) -> dict:
     """Steady-state decode steps of `batch` sequences at ~`context` tokens: FLOP rate vs the roof."""
     engine = llm.engine
@@ -109,6 +139,8 @@ def run(args) -> int:
     res["batched_decode"] = batched_decode(llm, batch=min(128, args.max_num_seqs), context=256)
     res["batched_decode"]["roofline_fraction"] = res["batched_decode"]["gflops"] / res["peak_gflops"]
     print(f"batched decode: {res['batched_decode']}", flush=True)
+    res["linear_paths"] = linear_paths(llm.engine.runner.model)
+    print(f"linears of one forward, F.linear vs packed: {res['linear_paths']}", flush=True)
     save()
     if not args.skip_hf:
         from engine_service.bench.hf_baselines import load_hf, run_hf_baselines
@@ -134,7 +166,7 @@ def plot(res: dict, path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(16, 4))
     runs = [("DecodeLab", "ours", "tab:green"), ("HF generate\n(static batches)", "hf_static", "tab:gray"),
             ("HF generate_batch\n(continuous)", "hf_continuous", "tab:blue")]
     runs = [r for r in runs if "tok_per_s" in res.get(r[1], {})]
@@ -148,5 +180,14 @@ def plot(res: dict, path) -> None:
     b.bar(["paged (ours)", "contiguous\n(prompt + max_tokens)"], [100 * w for w in waste], color=["tab:green", "tab:gray"])
     b.set_ylabel("KV slots allocated but unused (%)")
     b.set_title("KV waste, time-averaged")
+    goals = [("single stream\n(tok/s, goal 25)", res.get("single_stream", {}).get("tok_per_s"), 25),
+             ("batched decode\n(% of GEMM roof, goal 40)",
+              100 * res["batched_decode"]["roofline_fraction"] if "batched_decode" in res else None, 40)]
+    goals = [g for g in goals if g[1] is not None]
+    c.bar([g[0] for g in goals], [g[1] for g in goals], color="tab:green")
+    for i, (_, v, goal) in enumerate(goals):
+        c.text(i, v, f"{v:.1f}", ha="center", va="bottom")
+        c.hlines(goal, i - 0.4, i + 0.4, colors="black", linestyles="--")
+    c.set_title(f"decode (roof {res.get('peak_gflops', 0):.0f} GFLOP/s); dashed: goals")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
