@@ -9,6 +9,12 @@ inductor does for CPU linears; we do it at load time so eager mode gets it too.
 
 The packed tensor replaces the dense weight (which moves to the meta device: shapes stay
 inspectable, memory is not doubled). `DECODELAB_CPU_LINEAR=dense` turns packing off.
+
+oneDNN builds (JIT-compiles) and caches one primitive per input shape, about 1 MB each, up to 1024
+of them: with the row count of every step different, a replica's memory grew ~30 MB/min for
+minutes (`decodelab bench soak`). So row counts are bucketed: 1-8 exact (decode, speculative
+verification), then padded up to a multiple of 8 (to 64) or 16 (to 256), and longer inputs run in
+chunks of 256 rows. That bounds the primitives at 27 per weight shape (~135 for a Llama, ~120 MB).
 """
 import os
 
@@ -29,8 +35,26 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
 
 
+_CHUNK = 256
+
+
+def bucket_rows(n: int) -> int:
+    """The row count a `n`-row input (n <= _CHUNK) is padded to."""
+    if n <= 8:
+        return n
+    step = 8 if n <= 64 else 16
+    return -(-n // step) * step
+
+
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    n = x.shape[0]
+    if n > _CHUNK:
+        return torch.cat([packed_linear(part, packed, bias) for part in x.split(_CHUNK)])
+    rows = bucket_rows(n)
+    if rows != n:
+        x = F.pad(x, (0, 0, 0, rows - n))
+    out = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return out if rows == n else out[:n]
 
 
 class Linear(nn.Linear):

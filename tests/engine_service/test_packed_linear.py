@@ -49,3 +49,22 @@ def test_engine_output_is_the_same_packed_or_dense(arch, tiny_llama_dir, tiny_qw
     for a, b in zip(packed.generate(prompts, params), dense.generate(prompts, params)):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].cumulative_logprob == pytest.approx(b.outputs[0].cumulative_logprob, abs=1e-3)
+
+
+def test_row_counts_are_bucketed_so_onednn_caches_few_primitives():
+    from engine_service.models.packed_linear import _CHUNK, bucket_rows
+
+    buckets = {bucket_rows(n) for n in range(1, _CHUNK + 1)}
+    assert len(buckets) == 27 and max(buckets) == _CHUNK
+    assert all(bucket_rows(n) == n for n in range(1, 9))
+    assert all(n <= bucket_rows(n) < n + 16 for n in range(1, _CHUNK + 1))
+
+
+@pytest.mark.parametrize("rows", [9, 63, 65, 255, 256, 257, 700])  # padded, exact, chunked + padded tail
+def test_padded_and_chunked_rows_give_the_same_result(rows):
+    torch.manual_seed(rows)
+    layer = Linear(64, 48, bias=True)
+    x = torch.randn(rows, 64)
+    want = F.linear(x, layer.weight.detach(), layer.bias.detach())
+    layer.pack()
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
