@@ -1,7 +1,7 @@
 """`decodelab bench ...`: benchmarks that write JSON + a PNG plot. Each one is a module with add_parser()."""
 import importlib
 
-BENCHMARKS = ("throughput", "modes", "serve", "gpu")
+BENCHMARKS = ("throughput", "modes", "serve", "soak", "gpu")
 
 
 def add_bench_parser(sub, add_engine_args) -> None:

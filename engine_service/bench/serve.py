@@ -1,9 +1,15 @@
 """`decodelab bench serve`: Poisson arrivals at several rates, through Redis (client -> stream -> replica ->
 pub/sub) and straight into the same engine in-process; TTFT / TPOT / ITL / e2e percentiles and throughput.
+Rate `inf` is a burst (every request at t=0): the saturated throughput comparison. Each rate runs
+`--repeats` times, alternating the two paths with the same prompts and arrival times; the summary takes
+the median over repeats. Per Redis request it also splits the TTFT into the replica's own part (pickup ->
+first token, from the DoneEvent metrics) and the transport (submit -> pickup and publish -> client): the
+cost of Redis without the one-step jitter of when a request lands relative to the engine's steps.
 Writes benchmarks/results/serve.json and serve.png."""
 from __future__ import annotations
 
 import asyncio
+import math
 import platform
 import random
 import time
@@ -18,7 +24,8 @@ from engine_service.sampling_params import SamplingParams
 def add_parser(bench_sub, add_engine_args) -> None:
     p = bench_sub.add_parser("serve", help="online latency: Poisson arrivals through Redis vs in-process")
     add_engine_args(p)
-    p.add_argument("--rates", default="1,2,4,8", help="request rates (req/s), comma-separated")
+    p.add_argument("--rates", default="0.5,1,2,4,inf", help="request rates (req/s), comma-separated; inf = burst")
+    p.add_argument("--repeats", type=int, default=3, help="runs per rate and path (the summary is their median)")
     p.add_argument("--num-requests", type=int, default=24, help="requests per rate and path")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -35,9 +42,12 @@ class Trace:
     sent: float
     tokens: list[tuple[float, int]] = field(default_factory=list)
     done: float | None = None
+    replica_ttft: float | None = None  # replica pickup -> first token (Redis path only)
 
 
 def poisson_arrivals(rate: float, n: int, rng: random.Random) -> list[float]:
+    if math.isinf(rate):  # a burst: the saturated engine
+        return [0.0] * n
     t, out = 0.0, []
     for _ in range(n):
         t += rng.expovariate(rate)
@@ -46,13 +56,16 @@ def poisson_arrivals(rate: float, n: int, rng: random.Random) -> list[float]:
 
 
 def summarize(traces: list[Trace], wall: float) -> dict:
-    ttft, tpot, itl, e2e = [], [], [], []
+    ttft, tpot, itl, e2e, transport, replica = [], [], [], [], [], []
     n_tokens = 0
     for tr in traces:
         times = [t for t, _ in tr.tokens]
         count = sum(n for _, n in tr.tokens)
         n_tokens += count
         ttft.append(times[0] - tr.sent)
+        if tr.replica_ttft is not None:
+            transport.append(ttft[-1] - tr.replica_ttft)
+            replica.append(tr.replica_ttft)
         e2e.append(tr.done - tr.sent)
         if count > 1:
             tpot.append((times[-1] - times[0]) / (count - 1))
@@ -65,7 +78,8 @@ def summarize(traces: list[Trace], wall: float) -> dict:
         return {"p50_ms": p50 * 1e3, "p90_ms": p90 * 1e3, "p99_ms": p99 * 1e3, "mean_ms": float(np.mean(xs)) * 1e3}
 
     return {"requests": len(traces), "output_tokens": n_tokens, "wall_s": wall, "tok_per_s": n_tokens / wall,
-            "req_per_s": len(traces) / wall, "ttft": pct(ttft), "tpot": pct(tpot), "itl": pct(itl), "e2e": pct(e2e)}
+            "req_per_s": len(traces) / wall, "ttft": pct(ttft), "tpot": pct(tpot), "itl": pct(itl), "e2e": pct(e2e),
+            "transport_ttft": pct(transport), "replica_ttft": pct(replica)}
 
 
 def _params(max_tokens: int) -> SamplingParams:
@@ -113,6 +127,9 @@ async def run_redis(client, prompts: list[list[int]], arrivals: list[float], max
                 trace.tokens.append((time.perf_counter(), len(ev.token_ids)))
             elif isinstance(ev, DoneEvent):
                 trace.done = time.perf_counter()
+                m = ev.metrics
+                if m.ttft_s is not None and m.queue_s is not None:
+                    trace.replica_ttft = m.ttft_s - m.queue_s
             else:
                 raise RuntimeError(f"request failed: {ev.code}: {ev.message}")
         return trace
@@ -126,19 +143,41 @@ async def run_redis(client, prompts: list[list[int]], arrivals: list[float], max
     return summarize(list(traces), time.perf_counter() - start)
 
 
+async def through_redis(url: str, keys, args, prompts: list[list[int]], arrivals: list[float]) -> dict:
+    from shared.client import EngineClient
+
+    client = EngineClient(url, keys, max_queue=10 * args.num_requests, max_per_client=0)  # no cap
+    try:
+        await run_redis(client, [[7] * 8] * 2, [0.0, 0.0], 4)  # warm-up
+        return await run_redis(client, prompts, arrivals, args.max_tokens)
+    finally:
+        await client.close()
+
+
 def plot(results: dict, path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rates = [r["rate"] for r in results["runs"]]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    runs = [r for r in results["runs"] if not math.isinf(r["rate"])]
+    rates = [r["rate"] for r in runs]
+    fig, axes = plt.subplots(1, 4, figsize=(19, 4.2))
     for path_name, style in (("redis", "-o"), ("inprocess", "--s")):
         for metric, ax in zip(("ttft", "tpot", "itl"), axes):
             for q, alpha in (("p50_ms", 1.0), ("p99_ms", 0.5)):
-                ax.plot(rates, [r[path_name][metric].get(q, np.nan) for r in results["runs"]], style, alpha=alpha,
+                ax.plot(rates, [r["median"][path_name][metric].get(q, np.nan) for r in runs], style, alpha=alpha,
                         label=f"{path_name} {q[:3]}")
+    axes[0].plot(rates, [r["median"]["redis"]["transport_ttft"]["p50_ms"] for r in runs], ":^", color="gray",
+                 label="redis transport p50")
+    labels = [f"{r['rate']:g}" if not math.isinf(r["rate"]) else "burst" for r in results["runs"]]
+    x = np.arange(len(labels))
+    for k, path_name in enumerate(("redis", "inprocess")):
+        axes[3].bar(x + (k - 0.5) * 0.4, [r["median"][path_name]["tok_per_s"] for r in results["runs"]], 0.4,
+                    label=path_name)
+    axes[3].set(title="throughput", xlabel="arrival rate (req/s)", ylabel="generated tok/s")
+    axes[3].set_xticks(x, labels)
+    axes[3].legend(fontsize=8)
     for metric, ax in zip(("TTFT", "TPOT", "inter-token latency"), axes):
         ax.set(title=metric, xlabel="arrival rate (req/s)", ylabel="ms")
         ax.set_xscale("log", base=2)
@@ -146,7 +185,8 @@ def plot(results: dict, path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(f"decodelab bench serve: {results['model']}, {results['num_requests']} requests/rate, "
-                 f"prompt {results['prompt_len']}, output {results['max_tokens']} tokens")
+                 f"prompt {results['prompt_len']}, output {results['max_tokens']} tokens, "
+                 f"median of {results.get('repeats', 1)} runs")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -179,7 +219,6 @@ def run(args) -> int:
     from engine_service.cli import engine_config_from_args
     from engine_service.llm_engine import LLMEngine
     from engine_service.redis_server import RedisServer
-    from shared.client import EngineClient
     from shared.keys import Keys
 
     engine = LLMEngine(engine_config_from_args(args))
@@ -192,26 +231,32 @@ def run(args) -> int:
     runs = []
     try:
         for rate in [float(r) for r in args.rates.split(",")]:
-            prompts = [[rng.randrange(100, vocab) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
-            arrivals = poisson_arrivals(rate, args.num_requests, rng)
-
-            async def through_redis() -> dict:
-                client = EngineClient(url, keys, max_queue=10 * args.num_requests, max_per_client=0)  # no cap
-                await run_redis(client, prompts[:2], [0.0, 0.0], 4)  # warm-up
-                try:
-                    return await run_redis(client, prompts, arrivals, args.max_tokens)
-                finally:
-                    await client.close()
-
-            redis_result = asyncio.run(through_redis())
-            redis_result["replica_mean_batch_so_far"] = _mean_batch(httpx.get(f"{replica_url}/metrics").text)
-            run_inprocess(engine, prompts[:2], [0.0, 0.0], 4)  # warm-up
-            inproc_result = run_inprocess(engine, prompts, arrivals, args.max_tokens)
-            runs.append({"rate": rate, "redis": redis_result, "inprocess": inproc_result})
-            print(f"rate {rate:g} req/s: TTFT p50 redis {redis_result['ttft']['p50_ms']:.1f} ms vs in-process "
-                  f"{inproc_result['ttft']['p50_ms']:.1f} ms; TPOT p50 {redis_result['tpot']['p50_ms']:.1f} vs "
-                  f"{inproc_result['tpot']['p50_ms']:.1f} ms; {redis_result['tok_per_s']:.0f} vs "
-                  f"{inproc_result['tok_per_s']:.0f} tok/s", flush=True)
+            repeats = []
+            for r in range(args.repeats):
+                # fresh prompts every repeat (a repeat must not hit the prefix cache the last one filled);
+                # the two paths of one repeat get the same prompts and arrival times
+                prompts = [[rng.randrange(100, vocab) for _ in range(args.prompt_len)]
+                           for _ in range(args.num_requests)]
+                arrivals = poisson_arrivals(rate, args.num_requests, rng)
+                one = {}
+                for path_name in (("redis", "inprocess") if r % 2 == 0 else ("inprocess", "redis")):
+                    if path_name == "redis":  # alternate the order so slow drifts of the machine hit both
+                        one["redis"] = asyncio.run(through_redis(url, keys, args, prompts, arrivals))
+                    else:
+                        run_inprocess(engine, [[7] * 8] * 2, [0.0, 0.0], 4)  # warm-up
+                        one["inprocess"] = run_inprocess(engine, prompts, arrivals, args.max_tokens)
+                repeats.append(one)
+            mean_batch = _mean_batch(httpx.get(f"{replica_url}/metrics").text)
+            runs.append({"rate": rate, "repeats": repeats, "replica_mean_batch_so_far": mean_batch,
+                         **summarize_repeats(repeats)})
+            m = runs[-1]["median"]
+            print(f"rate {rate:g} req/s (median of {args.repeats}): TTFT p50 redis {m['redis']['ttft']['p50_ms']:.1f} "
+                  f"vs in-process {m['inprocess']['ttft']['p50_ms']:.1f} ms, paired delta "
+                  f"{runs[-1]['ttft_p50_delta_ms']:+.1f} ms (transport p50 "
+                  f"{m['redis']['transport_ttft']['p50_ms']:.1f} ms, replica pickup -> first token p50 "
+                  f"{m['redis']['replica_ttft']['p50_ms']:.1f} ms); TPOT p50 {m['redis']['tpot']['p50_ms']:.1f} vs "
+                  f"{m['inprocess']['tpot']['p50_ms']:.1f} ms; {m['redis']['tok_per_s']:.1f} vs "
+                  f"{m['inprocess']['tok_per_s']:.1f} tok/s", flush=True)
     finally:
         replica.stop()
         if server is not None:
@@ -219,11 +264,39 @@ def run(args) -> int:
     results = {"benchmark": "serve", "model": args.model, "device": engine.config.device,
                "threads": __import__("torch").get_num_threads(), "machine": platform.machine(),
                "cpus": __import__("os").cpu_count(), "num_requests": args.num_requests,
-               "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "runs": runs}
+               "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "repeats": args.repeats,
+               "runs": runs, "goal": goal_summary(runs)}
     path = write_results("serve", results, args.out)
     plot(results, path.with_suffix(".png"))
     print(f"wrote {path} and {path.with_suffix('.png')}")
     return 0
+
+
+def summarize_repeats(repeats: list[dict]) -> dict:
+    """Per path, the median over repeats of each percentile and of the throughput; the paired deltas."""
+    med = {}
+    for path_name in ("redis", "inprocess"):
+        runs = [r[path_name] for r in repeats]
+        med[path_name] = {"tok_per_s": float(np.median([r["tok_per_s"] for r in runs]))}
+        for metric in ("ttft", "tpot", "itl", "e2e", "transport_ttft", "replica_ttft"):
+            keys = runs[0][metric].keys()
+            med[path_name][metric] = {k: float(np.median([r[metric][k] for r in runs])) for k in keys}
+    # paired: each repeat's two paths saw the same prompts and arrival times
+    deltas = [r["redis"]["ttft"]["p50_ms"] - r["inprocess"]["ttft"]["p50_ms"] for r in repeats]
+    ratios = [r["redis"]["tok_per_s"] / r["inprocess"]["tok_per_s"] for r in repeats]
+    return {"median": med, "ttft_p50_delta_ms": float(np.median(deltas)), "ttft_p50_deltas_ms": deltas,
+            "throughput_ratio": float(np.median(ratios)), "throughput_ratios": ratios}
+
+
+def goal_summary(runs: list[dict]) -> dict:
+    """The issue's goal: Redis costs <= 5% throughput (the burst: saturated) and <= 10 ms median TTFT."""
+    burst = [r for r in runs if math.isinf(r["rate"])]
+    transport = [r["median"]["redis"]["transport_ttft"]["p50_ms"] for r in runs]
+    out = {"transport_ttft_p50_ms_by_rate": {f"{r['rate']:g}": t for r, t in zip(runs, transport)},
+           "ttft_p50_delta_ms_by_rate": {f"{r['rate']:g}": r["ttft_p50_delta_ms"] for r in runs}}
+    if burst:
+        out["burst_throughput_cost"] = 1 - burst[0]["throughput_ratio"]
+    return out
 
 
 def _mean_batch(metrics_text: str) -> float:
