@@ -94,10 +94,13 @@ def run_pair(args) -> dict:
     """Greedy vs speculative (draft, n-gram) on the Qwen2.5-Coder pair, the same prompts."""
     from engine_service.config import EngineConfig
     from engine_service.llm import LLM
+    from engine_service.models.loader import default_cache_dir, is_hf_model_dir
     from engine_service.models.registry import REGISTRY
 
     target, draft = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
-    missing = REGISTRY[target].source.missing() + REGISTRY[draft].source.missing()
+    # converted once, the cache is enough; otherwise the weight packages are needed
+    missing = [m for name in (target, draft) if not is_hf_model_dir(default_cache_dir() / name)
+               for m in REGISTRY[name].source.missing()]
     if missing:
         print(f"draft pair: skipped, {len(missing)} weight packages missing (pip install -e '.[qwen]')")
         return {"skipped": f"{len(missing)} weight packages missing: pip install -e '.[qwen]'"}
