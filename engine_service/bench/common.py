@@ -1,4 +1,5 @@
-"""Shared pieces of the benchmarks: workloads, the CPU's matmul peak, JSON + plot output."""
+"""Shared pieces of the benchmarks: workloads, the CPU's matmul peak, latency percentiles, a replica's
+/metrics, JSON + plot output."""
 import json
 import random
 import time
@@ -50,6 +51,28 @@ def matmul_peak_gflops(sizes: tuple[int, ...] = (1024, 2048, 3072, 4096), repeat
                 fn(a, w)
                 best[name] = max(best[name], 2 * n ** 3 / (time.perf_counter() - t) / 1e9)
     return {"gflops": max(best.values()), "by_path": best}
+
+
+def percentiles_ms(xs: list[float]) -> dict:
+    """p50/p90/p99/mean of durations in seconds, in ms ({} when there are none)."""
+    if not xs:
+        return {}
+    import numpy as np
+
+    p50, p90, p99 = np.percentile(xs, [50, 90, 99])
+    return {"p50_ms": p50 * 1e3, "p90_ms": p90 * 1e3, "p99_ms": p99 * 1e3, "mean_ms": float(np.mean(xs)) * 1e3}
+
+
+def scrape_metrics(url: str, timeout: float = 10.0) -> dict[str, float]:
+    """A replica's /metrics as {sample name: value}; samples with a `state` label as `name[state]`."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=timeout).text):
+        for sample in family.samples:
+            out[sample.name + (f"[{sample.labels['state']}]" if "state" in sample.labels else "")] = sample.value
+    return out
 
 
 def write_results(name: str, results: dict, out_dir: str | Path) -> Path:

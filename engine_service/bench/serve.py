@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine_service.bench.common import write_results
+from engine_service.bench.common import percentiles_ms, scrape_metrics, write_results
 from engine_service.sampling_params import SamplingParams
 
 
@@ -71,12 +71,7 @@ def summarize(traces: list[Trace], wall: float) -> dict:
             tpot.append((times[-1] - times[0]) / (count - 1))
         itl.extend(b - a for a, b in zip(times, times[1:]))
 
-    def pct(xs: list[float]) -> dict:
-        if not xs:
-            return {}
-        p50, p90, p99 = np.percentile(xs, [50, 90, 99])
-        return {"p50_ms": p50 * 1e3, "p90_ms": p90 * 1e3, "p99_ms": p99 * 1e3, "mean_ms": float(np.mean(xs)) * 1e3}
-
+    pct = percentiles_ms
     return {"requests": len(traces), "output_tokens": n_tokens, "wall_s": wall, "tok_per_s": n_tokens / wall,
             "req_per_s": len(traces) / wall, "ttft": pct(ttft), "tpot": pct(tpot), "itl": pct(itl), "e2e": pct(e2e),
             "transport_ttft": pct(transport), "replica_ttft": pct(replica)}
@@ -214,8 +209,6 @@ def start_replica(args, redis_url: str, prefix: str):
 
 
 def run(args) -> int:
-    import httpx
-
     from engine_service.cli import engine_config_from_args
     from engine_service.llm_engine import LLMEngine
     from engine_service.redis_server import RedisServer
@@ -246,7 +239,8 @@ def run(args) -> int:
                         run_inprocess(engine, [[7] * 8] * 2, [0.0, 0.0], 4)  # warm-up
                         one["inprocess"] = run_inprocess(engine, prompts, arrivals, args.max_tokens)
                 repeats.append(one)
-            mean_batch = _mean_batch(httpx.get(f"{replica_url}/metrics").text)
+            m = scrape_metrics(replica_url)  # mean requests per engine step on the replica so far
+            mean_batch = m["decodelab_batch_size_sum"] / max(m["decodelab_batch_size_count"], 1)
             runs.append({"rate": rate, "repeats": repeats, "replica_mean_batch_so_far": mean_batch,
                          **summarize_repeats(repeats)})
             m = runs[-1]["median"]
@@ -297,14 +291,3 @@ def goal_summary(runs: list[dict]) -> dict:
     if burst:
         out["burst_throughput_cost"] = 1 - burst[0]["throughput_ratio"]
     return out
-
-
-def _mean_batch(metrics_text: str) -> float:
-    """Mean requests per engine step on the replica so far (its decodelab_batch_size histogram)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    for family in text_string_to_metric_families(metrics_text):
-        if family.name == "decodelab_batch_size":
-            values = {s.name: s.value for s in family.samples}
-            return values["decodelab_batch_size_sum"] / max(values["decodelab_batch_size_count"], 1)
-    return float("nan")

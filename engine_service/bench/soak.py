@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from engine_service.bench.common import write_results
+from engine_service.bench.common import percentiles_ms, scrape_metrics, write_results
 
 
 def add_parser(bench_sub, add_engine_args) -> None:
@@ -30,23 +30,9 @@ def add_parser(bench_sub, add_engine_args) -> None:
 
 
 def rss_mb(pid: int) -> float:
-    """Resident memory of a process and its children (the replica is one process; the sum is future-proof)."""
-    total = 0
-    for p in [pid, *_children(pid)]:
-        try:
-            with open(f"/proc/{p}/status") as f:
-                total += next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-        except (FileNotFoundError, StopIteration):
-            pass
-    return total / 1024
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(x) for x in f.read().split()]
-    except FileNotFoundError:
-        return []
+    """Resident memory of a process (the replica is one process)."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
 
 
 def make_request(i: int, rng: random.Random, vocab: int, prefixes: list[list[int]], max_tokens: int):
@@ -110,11 +96,8 @@ def window_stats(records: list[dict], since: float, until: float) -> dict:
     ok = [r for r in done if r["error"] is None and r["done"] is not None]
     ttft = [r["first"] - r["sent"] for r in ok if r["first"] is not None]
     e2e = [r["done"] - r["sent"] for r in ok]
-
-    def pct(xs):
-        return {f"p{q}_ms": float(np.percentile(xs, q)) * 1e3 for q in (50, 90, 99)} if xs else {}
-
-    return {"finished": len(done), "errors": len(done) - len(ok), "ttft": pct(ttft), "e2e": pct(e2e)}
+    return {"finished": len(done), "errors": len(done) - len(ok), "ttft": percentiles_ms(ttft),
+            "e2e": percentiles_ms(e2e)}
 
 
 def run(args) -> int:
@@ -175,16 +158,10 @@ def run(args) -> int:
 
 
 def _kv_metrics(url: str) -> dict:
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out = {}
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
-        if family.name == "decodelab_kv_blocks":
-            for s in family.samples:
-                out[f"kv_{s.labels['state']}"] = s.value
-        elif family.name in ("decodelab_preemptions", "decodelab_replica_requests", "decodelab_queue_length"):
-            out[family.name.removeprefix("decodelab_")] = family.samples[0].value
+    m = scrape_metrics(url)
+    out = {f"kv_{state}": m[f"decodelab_kv_blocks[{state}]"] for state in ("total", "used", "shared", "cached", "free")}
+    out["preemptions"] = m["decodelab_preemptions_total"]
+    out["replica_requests"], out["queue_length"] = m["decodelab_replica_requests"], m["decodelab_queue_length"]
     return out
 
 

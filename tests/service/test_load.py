@@ -9,10 +9,9 @@ import asyncio
 import random
 from collections import Counter
 
-import httpx
 import redis.asyncio as aioredis
-from prometheus_client.parser import text_string_to_metric_families
 
+from engine_service.bench.common import scrape_metrics
 from engine_service.sampling_params import SamplingParams
 from hf_oracle import assert_greedy_matches
 from shared.client import EngineClient
@@ -47,14 +46,6 @@ def workload(seed: int = 0) -> list[GenerationRequest]:
     return requests
 
 
-def replica_metrics(url: str) -> dict[str, float]:
-    out = {}
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=5).text):
-        for s in family.samples:
-            out[s.name + (f"[{s.labels['state']}]" if "state" in s.labels else "")] = s.value
-    return out
-
-
 def test_500_mixed_requests_through_two_small_replicas_complete_exactly_once_and_leave_nothing_behind(
         spawn_replica, redis_server, keys, reference_engine, tiny_llama_dir):
     requests = workload()
@@ -62,7 +53,7 @@ def test_500_mixed_requests_through_two_small_replicas_complete_exactly_once_and
                               "--expected-tokens", "16", "--max-queue", "1000", claim_idle=30) for name in "AB"]
     for replica in replicas:
         replica.wait_ready()
-    idle = {r.name: replica_metrics(r.url)["decodelab_kv_blocks[free]"] for r in replicas}
+    idle = {r.name: scrape_metrics(r.url)["decodelab_kv_blocks[free]"] for r in replicas}
     assert all(v == KV_BLOCKS for v in idle.values()), idle
 
     async def main():
@@ -133,14 +124,14 @@ def test_500_mixed_requests_through_two_small_replicas_complete_exactly_once_and
     # the load was real: both replicas served, preempted, hit the prefix cache, batched
     served = Counter(terminals[q.request_id][0].metrics.replica for q in requests)
     assert set(served) == {"A", "B"}, served
-    after = {r.name: replica_metrics(r.url) for r in replicas}
+    after = {r.name: scrape_metrics(r.url) for r in replicas}
     assert all(m["decodelab_preemptions_total"] > 0 for m in after.values()), after
     assert all(m["decodelab_prefix_cache_hits_total"] > 0 for m in after.values())
     assert all(m["decodelab_batch_size_sum"] / m["decodelab_batch_size_count"] > 2 for m in after.values())
 
     # drained: every block back (free again, cached ones included), nothing left running
     for replica in replicas:
-        wait_until(lambda: replica_metrics(replica.url)["decodelab_kv_blocks[free]"] == idle[replica.name], 5,
+        wait_until(lambda: scrape_metrics(replica.url)["decodelab_kv_blocks[free]"] == idle[replica.name], 5,
                    what=f"replica {replica.name} free blocks back to idle")
-        m = replica_metrics(replica.url)
+        m = scrape_metrics(replica.url)
         assert m["decodelab_kv_blocks[used]"] == 0 and m["decodelab_replica_requests"] == 0
