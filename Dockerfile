@@ -30,7 +30,7 @@ RUN pip install --no-deps . \
 
 USER decodelab
 # Convert the default model's GGUF once, at build time, so a replica starts in seconds.
-RUN python -c "from engine_service.models import resolve_model; resolve_model('smollm2-135m')"
+RUN python -c "from engine_service.engine.models import resolve_model; resolve_model('smollm2-135m')"
 
 EXPOSE 8000 7860
 CMD ["decodelab", "engine", "--host", "0.0.0.0", "--port", "8000"]

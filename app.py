@@ -44,7 +44,7 @@ def ensure_model_package() -> str | None:
 
 
 def start_engine(redis_url: str, extra_path: str | None) -> subprocess.Popen:
-    from engine_service.redis_server import die_with_parent, free_port
+    from engine_service.server.redis_server import die_with_parent, free_port
 
     path = os.pathsep.join(p for p in (str(ROOT), extra_path, os.environ.get("PYTHONPATH")) if p)
     env = dict(os.environ, REDIS_URL=redis_url, PYTHONPATH=path)
@@ -57,7 +57,7 @@ def start_engine(redis_url: str, extra_path: str | None) -> subprocess.Popen:
 
 
 def main() -> int:
-    from engine_service.redis_server import RedisServer
+    from engine_service.server.redis_server import RedisServer
     from shared.keys import Keys
     from web.app import build_app, launch
     from web.session import Service

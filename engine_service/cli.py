@@ -29,7 +29,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def sampling_params_from_args(args):
-    from engine_service.sampling_params import SamplingParams
+    from engine_service.engine.sampling_params import SamplingParams
 
     temperature = args.temperature
     if temperature is None:
@@ -65,7 +65,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args):
-    from engine_service.config import EngineConfig
+    from engine_service.engine.config import EngineConfig
 
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                         kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
@@ -97,7 +97,7 @@ def read_prompts(args) -> list:
 
 
 def cmd_generate(args) -> int:
-    from engine_service.llm import LLM
+    from engine_service.engine.llm import LLM
 
     prompts = read_prompts(args)
     params = sampling_params_from_args(args)
@@ -152,7 +152,7 @@ def _add_service_parsers(sub) -> None:
     """The Redis service commands live in their own modules; they register here when present."""
     import importlib
 
-    for module in ("engine_service.worker", "engine_service.play", "web.cli"):
+    for module in ("engine_service.server.worker", "engine_service.server.play", "web.cli"):
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as e:

@@ -26,5 +26,5 @@ def tiny_qwen2_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2_dir():
     """The real default model, converted once into the user cache (~20 s the first time, then instant)."""
-    from engine_service.models import resolve_model
+    from engine_service.engine.models import resolve_model
     return resolve_model("smollm2-135m")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 
-from engine_service.redis_server import die_with_parent, free_port
+from engine_service.server.redis_server import die_with_parent, free_port
 from shared.keys import Keys
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,7 +33,7 @@ class Replica:
         self.name, self.port = name, free_port()
         env = dict(os.environ, REDIS_URL=redis_url, DECODELAB_REDIS_PREFIX=keys.prefix, OMP_NUM_THREADS="1",
                    HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
-        argv = [sys.executable, "-m", "engine_service.api", "--model", str(model), "--threads", "1",
+        argv = [sys.executable, "-m", "engine_service.server.api", "--model", str(model), "--threads", "1",
                 "--port", str(self.port), "--replica-name", name, "--served-model-name", served,
                 "--log-level", "warning", "--drain-timeout", str(drain_timeout), *extra]
         self.proc = subprocess.Popen(argv, env=env, cwd=ROOT, start_new_session=True, preexec_fn=die_with_parent)

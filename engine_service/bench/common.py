@@ -35,7 +35,7 @@ def mixed_workload(num_requests: int, vocab_size: int, seed: int = 0, prompt_ran
 def matmul_peak_gflops(sizes: tuple[int, ...] = (1024, 2048, 3072, 4096), repeats: int = 3) -> dict:
     """Best fp32 GEMM rate over a few square sizes with the current torch threads (the roofline's roof),
     for torch's default path and, where available, the oneDNN packed path the engine runs on CPU."""
-    from engine_service.models.packed_linear import pack_weight, packed_linear, packing_enabled
+    from engine_service.engine.models.packed_linear import pack_weight, packed_linear, packing_enabled
 
     paths = {"torch_mm": lambda a, b: a @ b}
     if packing_enabled(torch.device("cpu"), torch.float32):

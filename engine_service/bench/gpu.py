@@ -2,13 +2,12 @@
 draft) with random weights (speed does not depend on their values):
   (a) offline throughput on a traffic-shaped workload vs HF generate (static batches) and generate_batch;
   (b) single-stream decode step vs the memory-bandwidth bound (weights + KV read once per step);
-  (c) the Triton kernel checks and paged-decode bandwidth of benchmarks/gpu_kernels.py;
+  (c) the Triton kernel checks and paged-decode bandwidth of engine_service/bench/gpu_kernels.py;
   (d) the speculative speed-up at batch 1, predicted from draft / target step costs measured here and an
       acceptance rate measured on the CPU with the real weights (--acceptance-rate).
 Writes <out>/gpu.json and gpu.png. Without a GPU it refuses, unless --allow-cpu --tiny (a smoke run of the
 plumbing at tiny shapes, whose numbers mean nothing)."""
 import gc
-import importlib.util
 import os
 import tempfile
 from dataclasses import replace
@@ -16,18 +15,17 @@ from pathlib import Path
 
 import torch
 
-from engine_service.attention import AttentionMetadata
+from engine_service.engine.attention import AttentionMetadata
 from engine_service.bench import spec_predict as sp
 from engine_service.bench.common import Workload, mixed_workload, write_results
 from engine_service.bench.gpu_plot import plot, summary
 from engine_service.bench.random_models import save_random_model
 from engine_service.bench.throughput import run_engine, single_stream
-from engine_service.sampling_params import SamplingParams
+from engine_service.engine.sampling_params import SamplingParams
 
 GOAL = 1.5  # single-stream decode step within 1.5x of the bandwidth bound
 ASSUMED_RATES = (0.5, 0.6, 0.7, 0.8, 0.9)  # used only when no --acceptance-rate is given, and labelled so
 MAX_K = 8
-GPU_KERNELS = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_kernels.py"
 
 
 def add_parser(bench_sub, add_engine_args) -> None:
@@ -60,15 +58,6 @@ def release(device: str) -> None:
     gc.collect()
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
-
-
-def load_gpu_kernels():
-    if not GPU_KERNELS.is_file():
-        raise ValueError(f"{GPU_KERNELS} not found: run bench gpu from a source checkout")
-    spec = importlib.util.spec_from_file_location("gpu_kernels", GPU_KERNELS)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def weight_bytes(model) -> int:
@@ -156,7 +145,7 @@ def kernels_section(gk, device: str, quick: bool, peak, copy) -> dict:
 
 def engine_sections(config, target_dir, draft_dir, args, context: int, bandwidth: dict, time_ms) -> dict:
     """(a) our throughput, (b) single stream vs the bound, (d) the step costs; one engine at a time."""
-    from engine_service.llm import LLM
+    from engine_service.engine.llm import LLM
 
     llm = LLM(config=replace(config, model=str(target_dir)))
     vocab = llm.engine.vocab_size
@@ -186,7 +175,7 @@ def run(args) -> int:
     from engine_service.cli import engine_config_from_args
 
     device = pick_device(args)
-    gk = load_gpu_kernels()
+    from engine_service.bench import gpu_kernels as gk
     name = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
     peak = next((gbs for key, gbs in gk.PEAK_GBS if key in name), None) if device.startswith("cuda") else None
     bandwidth = {"spec_peak": peak, "measured_copy": gk.copy_gbs(device)}

@@ -12,7 +12,7 @@ import time
 import torch
 
 from engine_service.bench.common import write_results
-from engine_service.sampling_params import SamplingParams
+from engine_service.engine.sampling_params import SamplingParams
 
 QUESTIONS = [
     "Repeat exactly: the quick brown fox jumps over the lazy dog near the river bank.",
@@ -92,10 +92,10 @@ def add_speedups(modes: dict) -> None:
 
 def run_pair(args) -> dict:
     """Greedy vs speculative (draft, n-gram) on the Qwen2.5-Coder pair, the same prompts."""
-    from engine_service.config import EngineConfig
-    from engine_service.llm import LLM
-    from engine_service.models.loader import default_cache_dir, is_hf_model_dir
-    from engine_service.models.registry import REGISTRY
+    from engine_service.engine.config import EngineConfig
+    from engine_service.engine.llm import LLM
+    from engine_service.engine.models.loader import default_cache_dir, is_hf_model_dir
+    from engine_service.engine.models.registry import REGISTRY
 
     target, draft = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
     # converted once, the cache is enough; otherwise the weight packages are needed
@@ -125,7 +125,7 @@ def run_pair(args) -> dict:
 
 def run(args) -> int:
     from engine_service.cli import engine_config_from_args
-    from engine_service.llm import LLM
+    from engine_service.engine.llm import LLM
 
     args.no_prefix_caching = True
     llm = LLM(config=engine_config_from_args(args))

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine_service.bench.common import percentiles_ms, scrape_metrics, write_results
-from engine_service.sampling_params import SamplingParams
+from engine_service.engine.sampling_params import SamplingParams
 
 
 def add_parser(bench_sub, add_engine_args) -> None:
@@ -193,12 +193,12 @@ def start_replica(args, redis_url: str, prefix: str):
     import sys
     import threading
 
-    from engine_service.play import Stack, engine_argv, wait_ready
-    from engine_service.redis_server import free_port
+    from engine_service.server.play import Stack, engine_argv, wait_ready
+    from engine_service.server.redis_server import free_port
 
     stack, port = Stack(), free_port()
     env = dict(os.environ, REDIS_URL=redis_url, DECODELAB_REDIS_PREFIX=prefix)
-    stack.spawn("engine", [sys.executable, "-m", "engine_service.api", *engine_argv(args), "--port", str(port),
+    stack.spawn("engine", [sys.executable, "-m", "engine_service.server.api", *engine_argv(args), "--port", str(port),
                            "--served-model-name", args.model, "--max-queue", "100000", "--log-level", "warning"], env)
     try:
         wait_ready(f"http://127.0.0.1:{port}/ready", stack, 600, threading.Event())
@@ -210,8 +210,8 @@ def start_replica(args, redis_url: str, prefix: str):
 
 def run(args) -> int:
     from engine_service.cli import engine_config_from_args
-    from engine_service.llm_engine import LLMEngine
-    from engine_service.redis_server import RedisServer
+    from engine_service.engine.llm_engine import LLMEngine
+    from engine_service.server.redis_server import RedisServer
     from shared.keys import Keys
 
     engine = LLMEngine(engine_config_from_args(args))

@@ -102,8 +102,8 @@ def window_stats(records: list[dict], since: float, until: float) -> dict:
 
 def run(args) -> int:
     from engine_service.bench.serve import start_replica
-    from engine_service.models.loader import load_config, resolve_model
-    from engine_service.redis_server import RedisServer
+    from engine_service.engine.models.loader import load_config, resolve_model
+    from engine_service.server.redis_server import RedisServer
     from shared.client import EngineClient
     from shared.keys import Keys
 

@@ -7,7 +7,7 @@ import time
 import torch
 
 from engine_service.bench.common import matmul_peak_gflops, median, mixed_workload, write_results
-from engine_service.sampling_params import SamplingParams
+from engine_service.engine.sampling_params import SamplingParams
 
 
 def add_parser(bench_sub, add_engine_args) -> None:
@@ -61,7 +61,7 @@ def matmul_flops_per_token(model) -> int:
 def linear_paths(model, rows=(1, 2, 8, 128, 512), repeats: int = 5) -> dict:
     """All matmuls of one forward (random weights of the model's shapes) with `rows` tokens: torch's default
     F.linear vs the oneDNN-packed weights the engine uses on CPU (docs/kernels.md). Median ms per forward."""
-    from engine_service.models.packed_linear import pack_weight, packed_linear, packing_enabled
+    from engine_service.engine.models.packed_linear import pack_weight, packed_linear, packing_enabled
 
     if not packing_enabled(torch.device("cpu"), torch.float32):
         return {}
@@ -114,7 +114,7 @@ def batched_decode(llm, batch: int, context: int, steps: int = 8) -> dict:
 
 def run(args) -> int:
     from engine_service.cli import engine_config_from_args
-    from engine_service.llm import LLM
+    from engine_service.engine.llm import LLM
 
     llm = LLM(config=engine_config_from_args(args))
     vocab = llm.engine.vocab_size
@@ -144,7 +144,7 @@ def run(args) -> int:
     save()
     if not args.skip_hf:
         from engine_service.bench.hf_baselines import load_hf, run_hf_baselines
-        from engine_service.models.loader import resolve_model
+        from engine_service.engine.models.loader import resolve_model
 
         del llm  # give the memory back before HF loads its copy
         hf = load_hf(resolve_model(args.model))

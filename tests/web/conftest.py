@@ -12,7 +12,7 @@ os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
 
 import pytest  # noqa: E402
 
-from engine_service.redis_server import RedisServer, free_port  # noqa: E402
+from engine_service.server.redis_server import RedisServer, free_port  # noqa: E402
 from replicas import ROOT, Replica, wait_until  # noqa: E402,F401  (re-exported for the tests)
 from shared.keys import Keys  # noqa: E402
 
@@ -67,7 +67,7 @@ def tiny_stack(redis_server, tiny_llama_dir):
 
 @pytest.fixture(scope="session")
 def tiny_reference(tiny_llama_dir):
-    from engine_service.llm import LLM
+    from engine_service.engine.llm import LLM
 
     return LLM(str(tiny_llama_dir), num_kv_blocks=TINY_KV_BLOCKS, max_num_seqs=16)
 

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from gradio_client import Client
 
-from engine_service.sampling_params import SamplingParams
+from engine_service.engine.sampling_params import SamplingParams
 from web.modes import MAX_PROMPT_CHARS
 
 PROMPT = "Readability counts. The capital of France is Paris, and the capital of Italy is"

@@ -32,8 +32,8 @@ def test_queue_position_counts_the_entries_no_replica_has_taken(redis_server):
 
 
 def test_a_replica_that_goes_away_mid_run_ends_the_run_with_a_message(redis_server, tiny_llama_dir):
-    from engine_service.llm_engine import LLMEngine
-    from engine_service.worker import Worker, WorkerConfig
+    from engine_service.engine.llm_engine import LLMEngine
+    from engine_service.server.worker import Worker, WorkerConfig
 
     keys = _keys("dies")
     engine = LLMEngine(model=str(tiny_llama_dir), num_kv_blocks=TINY_KV_BLOCKS, max_num_seqs=16, num_threads=1)

@@ -10,7 +10,7 @@ import httpx
 import psutil
 from gradio_client import Client
 
-from engine_service.redis_server import free_port
+from engine_service.server.redis_server import free_port
 
 from .conftest import ROOT, wait_until
 

@@ -1,0 +1,134 @@
+"""Beam search inside the engine, with Hugging Face's semantics (generate(num_beams=W, do_sample=False)).
+
+The live beams of a request are Sequences on the shared paged cache and decode in the same batch as
+everything else. Once every live beam has its next-token log-probs (`pending`), one step of the search
+runs: over all live beams, the best `num_candidates` continuations (2W, more with several stop tokens);
+those among the top W that stop become finished hypotheses (scored by log-prob / length ** penalty);
+the best W that do not stop are the next live beams. A beam that survives into several children is
+forked (the children share all its blocks; the first write into the shared last block copies it);
+a beam with no child is freed at once. Finished hypotheses are plain token lists: they hold no blocks.
+"""
+from dataclasses import dataclass
+
+import torch
+
+from engine_service.engine.outputs import CompletionOutput
+from engine_service.engine.sequence import Request, Sequence
+
+
+@dataclass
+class Hypothesis:
+    token_ids: list[int]  # generated ids, the stop token included
+    cumulative_logprob: float  # sum of the raw log-probs of token_ids
+    score: float  # summed processed log-probs / len(token_ids) ** length_penalty (HF's sequences_scores)
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str
+
+
+class BeamSearch:
+    def __init__(self, req: Request, stop_ids: set[int]):
+        p = req.params
+        self.width, self.length_penalty, self.early_stopping = p.beam_width, p.length_penalty, p.early_stopping
+        self.max_tokens, self.num_logprobs = p.max_tokens, p.logprobs
+        self.stop_ids = stop_ids
+        # HF keeps (1 + #stop tokens) * W candidates (at least 2W): then W of them never stop
+        self.num_candidates = max(2, 1 + len(stop_ids)) * self.width
+        self.scores = torch.zeros(1)  # per live beam (req.seqs order, best first): summed processed log-probs
+        self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # seq_id -> (processed, raw) log-probs
+        self.finished: list[Hypothesis] = []  # best first, at most W
+        self.done = False
+        self.num_steps = 0
+
+    def ready(self, req: Request) -> bool:
+        return not self.done and all(s.seq_id in self.pending for s in req.seqs)
+
+    def step(self, req: Request, fork, drop) -> None:
+        """One search step. fork(parent) -> a new running Sequence sharing the parent's blocks;
+        drop(seq) frees a beam's blocks at once."""
+        beams = list(req.seqs)  # fork() appends children to req.seqs
+        assert beams and len(beams) == self.scores.numel() and self.ready(req)
+        processed = torch.stack([self.pending[s.seq_id][0] for s in beams])
+        raw = torch.stack([self.pending[s.seq_id][1] for s in beams])
+        self.pending.clear()
+        vocab = processed.shape[1]
+        total = (processed + self.scores[:, None]).view(-1)
+        top, flat = total.topk(min(self.num_candidates, total.numel()))
+        parents, tokens = (flat // vocab).tolist(), (flat % vocab).tolist()
+        gen_len = beams[0].num_output_tokens + 1
+        assert all(s.num_output_tokens + 1 == gen_len for s in beams), "beams of a request step together"
+        stops = [t in self.stop_ids or gen_len >= self.max_tokens for t in tokens]
+        penalised = top / gen_len ** self.length_penalty
+        for i in range(min(self.width, len(tokens))):  # only the top W candidates may finish (HF)
+            if stops[i]:
+                self._add_finished(beams[parents[i]], tokens[i], raw[parents[i]], float(penalised[i]))
+        keep = [i for i in range(len(tokens)) if not stops[i]][:self.width]
+        children: dict[int, list[int]] = {}
+        for i in keep:
+            children.setdefault(parents[i], []).append(i)
+        new: dict[int, Sequence] = {}
+        for b, seq in enumerate(beams):
+            kids = children.get(b, [])
+            for i in kids[1:]:  # fork before the parent moves on: the children share its blocks
+                new[i] = fork(seq)
+                self._extend(new[i], tokens[i], raw[b])
+            if kids:
+                self._extend(seq, tokens[kids[0]], raw[b])
+                new[kids[0]] = seq
+            else:
+                drop(seq)
+        req.seqs = [new[i] for i in keep]
+        self.scores = top[keep]
+        self.num_steps += 1
+        if not keep or self._cannot_improve(gen_len):
+            self.done = True
+            for seq in req.seqs:
+                drop(seq)
+
+    def _cannot_improve(self, gen_len: int) -> bool:
+        """HF's stopping rule once W hypotheses are finished: early_stopping=True stops at once; False and
+        "never" stop when the best live beam cannot beat the worst finished one at the length HF assumes."""
+        if len(self.finished) < self.width:
+            return False
+        if self.early_stopping is True:
+            return True
+        length = self.max_tokens if self.early_stopping == "never" and self.length_penalty > 0 else gen_len
+        best = self.scores[0] / length ** self.length_penalty
+        return not bool(best > self.finished[-1].score)
+
+    def _extend(self, seq: Sequence, token: int, raw: torch.Tensor) -> None:
+        seq.token_ids.append(token)
+        seq.cumulative_logprob += float(raw[token])
+        if self.num_logprobs is not None:
+            seq.logprobs.append(self._logprob_entry(raw, token))
+
+    def _logprob_entry(self, raw: torch.Tensor, token: int) -> dict[int, float]:
+        entry = {}
+        if self.num_logprobs:
+            values, ids = raw.topk(self.num_logprobs)
+            entry = dict(zip(ids.tolist(), values.tolist()))
+        entry[token] = float(raw[token])
+        return entry
+
+    def _add_finished(self, parent: Sequence, token: int, raw: torch.Tensor, score: float) -> None:
+        logprobs = None
+        if self.num_logprobs is not None:
+            logprobs = parent.logprobs + [self._logprob_entry(raw, token)]
+        hyp = Hypothesis(parent.output_token_ids + [token], parent.cumulative_logprob + float(raw[token]), score,
+                         logprobs, "stop" if token in self.stop_ids else "length")
+        self.finished.append(hyp)
+        self.finished.sort(key=lambda h: -h.score)  # stable: on a tie the earlier hypothesis stays ahead
+        del self.finished[self.width:]
+
+    def outputs(self, req: Request, decode) -> list[CompletionOutput]:
+        """The n best: finished hypotheses once done, else the live beams (score as if they ended now)."""
+        n = req.params.n
+        if self.done:
+            return [CompletionOutput(i, decode(h.token_ids), list(h.token_ids), h.cumulative_logprob, h.logprobs,
+                                     h.finish_reason, h.score) for i, h in enumerate(self.finished[:n])]
+        outs = []
+        for i, seq in enumerate(req.seqs[:n]):
+            ids = seq.output_token_ids
+            score = float(self.scores[i]) / max(1, len(ids)) ** self.length_penalty
+            logprobs = list(seq.logprobs) if self.num_logprobs is not None else None
+            outs.append(CompletionOutput(i, decode(ids), ids, seq.cumulative_logprob, logprobs, None, score))
+        return outs

@@ -1,0 +1,156 @@
+"""Owns the model and the KV pool; turns a ScheduledBatch into tensors and runs one forward."""
+import os
+
+import torch
+
+import kernels
+from engine_service.engine.attention import AttentionMetadata
+from engine_service.engine.config import EngineConfig
+from engine_service.engine.cuda_graphs import decode_graphs_for
+from engine_service.engine.models.llama import CausalLM
+from engine_service.engine.models.loader import load_config, load_weights
+from engine_service.engine.models.packed_linear import packing_enabled
+from engine_service.engine.scheduler import ScheduledBatch
+from engine_service.engine.sequence import Sequence
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def available_memory_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 8 << 30
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_dir):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = DTYPES[config.dtype]
+        self.hf_config = load_config(model_dir)
+        torch.manual_seed(config.seed)
+        with torch.device("meta"):
+            model = CausalLM(self.hf_config, config.attention_backend)
+        model = model.to_empty(device=self.device)
+        model.cos, model.sin = _rope_buffers(model, self.hf_config)
+        model.load_hf_weights(load_weights(model_dir))
+        self.model = model.to(self.dtype).eval()
+        if packing_enabled(self.device, self.dtype):
+            self.model.pack_linears()
+        self.num_blocks = config.num_kv_blocks or self._blocks_from_budget()
+        self.kv_cache = self._allocate_kv_cache(self.num_blocks)
+        self.graphs = decode_graphs_for(self)  # CUDA graphs for decode-only steps; None on CPU / enforce_eager
+
+    # ---- KV pool
+    def kv_bytes_per_block(self) -> int:
+        c = self.hf_config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * c.num_hidden_layers * self.config.block_size * c.num_key_value_heads * head_dim * elem
+
+    def _blocks_from_budget(self) -> int:
+        budget = self.config.kv_cache_memory
+        if budget <= 1:
+            free = (torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda"
+                    else available_memory_bytes())
+            budget = budget * free
+        # more blocks than every seat filled to the model's context can never be used
+        max_len = min(self.config.max_model_len or self.hf_config.max_position_embeddings,
+                      self.hf_config.max_position_embeddings)
+        ceiling = self.config.max_num_seqs * -(-max_len // self.config.block_size)
+        return max(1, min(ceiling, int(budget // self.kv_bytes_per_block())))
+
+    def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        c = self.hf_config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        # zeros, not empty: masked-out slots are multiplied by 0 and must not hold NaN
+        kv = torch.zeros(c.num_hidden_layers, 2, num_blocks, self.config.block_size, c.num_key_value_heads,
+                         head_dim, dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn.k_cache, layer.self_attn.v_cache = kv[i, 0], kv[i, 1]
+        return kv
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        src, dst = (torch.tensor(x, dtype=torch.int64, device=self.device) for x in zip(*copies))
+        fn = kernels.copy_blocks_triton if self.config.attention_backend == "triton" else kernels.copy_blocks_torch
+        fn(self.kv_cache, src, dst)
+
+    # ---- one step
+    def _tables(self, seqs: list[Sequence]) -> torch.Tensor:
+        width = max(len(s.block_table) for s in seqs)
+        rows = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
+        return torch.tensor(rows, dtype=torch.int32, device=self.device)
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """Decode-shaped (one token) sequences first, then the multi-token chunks.
+        Returns the flat inputs, the metadata and, per scheduled sequence (in batch order), the row of
+        its last token in the flat batch (-1 when its chunk stops short of its last token)."""
+        bs = self.config.block_size
+        order = sorted(range(len(batch)), key=lambda i: batch.num_new_tokens[i] != 1)
+        ids, pos, slots, last_row = [], [], [], [-1] * len(batch)
+        cu, ctx = [0], []
+        for i in order:
+            seq, n = batch.seqs[i], batch.num_new_tokens[i]
+            start = seq.num_computed_tokens
+            ids += seq.token_ids[start:start + n]
+            pos += range(start, start + n)
+            table = seq.block_table
+            slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            if start + n == seq.num_tokens:
+                last_row[i] = len(ids) - 1
+            ctx.append(start + n)
+            if n != 1:
+                cu.append(cu[-1] + n)
+        num_decode = len(batch) - (len(cu) - 1)
+        dev, i32 = self.device, torch.int32
+        seqs = [batch.seqs[i] for i in order]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            num_decode=num_decode,
+            decode_block_tables=self._tables(seqs[:num_decode]) if num_decode else None,
+            decode_context_lens=torch.tensor(ctx[:num_decode], dtype=i32, device=dev) if num_decode else None,
+            prefill_cu_seqlens_q=torch.tensor(cu, dtype=i32, device=dev) if len(cu) > 1 else None,
+            prefill_context_lens=torch.tensor(ctx[num_decode:], dtype=i32, device=dev) if len(cu) > 1 else None,
+            prefill_block_tables=self._tables(seqs[num_decode:]) if len(cu) > 1 else None,
+        )
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
+        positions = torch.tensor(pos, dtype=torch.int64, device=dev)
+        return input_ids, positions, meta, last_row
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states of the flat batch: a captured CUDA graph when one fits, else the eager model."""
+        if self.graphs is not None and self.graphs.fits(input_ids.shape[0], meta):
+            return self.graphs.run(input_ids, positions, meta)
+        return self.model(input_ids, positions, meta)
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
+        """Runs the batch; returns logits [num_sampled, vocab] (float32) and, per scheduled sequence,
+        its row in those logits (-1 if it samples nothing this step)."""
+        self.copy_blocks(batch.copies)
+        input_ids, positions, meta, last_row = self.prepare(batch)
+        hidden = self.forward(input_ids, positions, meta)
+        rows = [r for r in last_row if r >= 0]
+        logits = self.model.compute_logits(hidden[rows]) if rows else hidden.new_empty(0, 0).float()
+        index, k = [], 0
+        for r in last_row:
+            index.append(k if r >= 0 else -1)
+            k += r >= 0
+        return logits, index
+
+
+def _rope_buffers(model: CausalLM, hf_config) -> tuple[torch.Tensor, torch.Tensor]:
+    from engine_service.engine.models.llama import rope_tables
+
+    cos, sin = rope_tables(hf_config, hf_config.max_position_embeddings)
+    return cos.to(model.embed_tokens.weight.device), sin.to(model.embed_tokens.weight.device)
+
+
+def set_threads(num_threads: int | None) -> None:
+    """Keep torch from oversubscribing the cores it shares with Redis, the web UI, a browser."""
+    n = num_threads or int(os.environ.get("DECODELAB_NUM_THREADS", "0") or os.environ.get("OMP_NUM_THREADS", "0"))
+    torch.set_num_threads(n or os.cpu_count() or 1)

@@ -1,0 +1,171 @@
+"""Llama and Qwen2 decoder over the paged KV cache.
+
+Tokens of all sequences in a step are flattened into one [num_tokens, hidden] batch; attention
+finds each token's context through AttentionMetadata. Parameter names follow the HF checkpoints;
+q/k/v and gate/up are fused at load time (one matmul each instead of three / two).
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine_service.engine.attention import AttentionMetadata, PagedAttention
+from engine_service.engine.models.packed_linear import Linear, pack_weight, packed_linear
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op; same math as HF's
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_tables(config, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [max_positions, head_dim] for the config's theta and scaling (llama3, linear, yarn, ...)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    params = getattr(config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        scaling = 1.0
+    else:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        inv_freq = inv_freq.double()
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return (emb.cos() * scaling).float(), (emb.sin() * scaling).float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [N, heads, D]; cos/sin [N, 1, D]; HF's rotate_half convention
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config, backend: str):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=getattr(config, "attention_bias", False))
+        self.sizes = [q_size, kv_size, kv_size]
+        self.attn = PagedAttention(backend, self.head_dim ** -0.5)
+        self.k_cache: torch.Tensor | None = None  # bound by the model runner
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
+        n = x.shape[0]
+        qkv = self.qkv_proj(x)
+        # q and k are adjacent in the fused projection: rotate them in one go
+        qk = apply_rope(qkv[:, :self.sizes[0] + self.sizes[1]].view(n, -1, self.head_dim), cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.sizes[0] + self.sizes[1]:].view(n, self.num_kv_heads, self.head_dim)
+        o = self.attn(q, k, v, self.k_cache, self.v_cache, meta)
+        return self.o_proj(o.reshape(n, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, backend: str):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    def __init__(self, config, backend: str = "torch"):
+        super().__init__()
+        assert config.model_type in ("llama", "qwen2"), f"unsupported architecture {config.model_type}"
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.packed_head: torch.Tensor | None = None
+        cos, sin = rope_tables(config, config.max_position_embeddings)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.tie_word_embeddings:
+            if self.packed_head is not None:
+                return packed_linear(hidden, self.packed_head, None).float()
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
+
+    def pack_linears(self) -> None:
+        """Reorders every matmul weight for oneDNN (CPU); see packed_linear.py. A tied head keeps the
+        dense embedding for lookups and a packed copy for the logits."""
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.pack()
+        if self.tie_word_embeddings:
+            self.packed_head = pack_weight(self.embed_tokens.weight)
+
+    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Load an HF Llama/Qwen2 state dict, fusing q/k/v and gate/up."""
+        own = dict(self.named_parameters())
+        loaded = set()
+
+        def put(name: str, tensor: torch.Tensor) -> None:
+            assert own[name].shape == tensor.shape, f"{name}: {tuple(tensor.shape)} != {tuple(own[name].shape)}"
+            own[name].data.copy_(tensor)
+            loaded.add(name)
+
+        def fuse(prefix: str, parts: list[str], suffix: str, target: str) -> None:
+            keys = [f"{prefix}{p}.{suffix}" for p in parts]
+            if all(k in weights for k in keys):
+                put(target, torch.cat([weights[k] for k in keys]))
+
+        for name, tensor in weights.items():
+            if name.startswith("model."):
+                name = name[len("model."):]
+            if name in own:
+                put(name, tensor)
+        for i in range(self.config.num_hidden_layers):
+            p = f"model.layers.{i}."
+            for suffix in ("weight", "bias"):
+                fuse(p + "self_attn.", ["q_proj", "k_proj", "v_proj"], suffix, f"layers.{i}.self_attn.qkv_proj.{suffix}")
+            fuse(p + "mlp.", ["gate_proj", "up_proj"], "weight", f"layers.{i}.mlp.gate_up_proj.weight")
+        missing = set(own) - loaded
+        assert not missing, f"weights missing from the checkpoint: {sorted(missing)[:5]}"

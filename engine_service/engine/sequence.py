@@ -1,0 +1,88 @@
+import time
+from dataclasses import dataclass, field
+from enum import Enum, auto
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine_service.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine_service.engine.beam import BeamSearch
+    from engine_service.engine.spec_decode import SpecStats
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One token stream: the prompt plus what it generated. A request has n of them (samples, beams)."""
+
+    seq_id: int
+    request: "Request"
+    token_ids: list[int]
+    index: int = 0  # position in the request's outputs
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    text: str = ""
+    # incremental detokenisation offsets into the output ids (see llm_engine._detokenize)
+    prefix_offset: int = 0
+    read_offset: int = 0
+    # speculative decoding: the last num_draft_tokens of token_ids are proposals awaiting verification
+    num_draft_tokens: int = 0
+    draft_probs: torch.Tensor | None = None  # [num_draft_tokens, vocab] draft-model probabilities (None: n-gram)
+    spec_marks: list[str] | None = None  # per generated token, see CompletionOutput.spec_marks
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    seqs: list[Sequence] = field(default_factory=list)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_cached_tokens: int = 0
+    forked: bool = False  # n > 1: the children were forked off the prompt
+    beam: "BeamSearch | None" = None  # mode="beam": the search state; seqs are then its live beams
+    spec: "SpecStats | None" = None  # mode="speculative": proposal / acceptance counters
+
+    @property
+    def is_finished(self) -> bool:
+        if self.beam is not None:
+            return self.beam.done
+        return all(s.is_finished for s in self.seqs) and (self.forked or self.params.n == 1)

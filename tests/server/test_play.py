@@ -1,0 +1,45 @@
+"""`decodelab play`: private Redis + replica (+ web) come up, print the URL, and Ctrl-C leaves no process behind."""
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import httpx
+import psutil
+
+from engine_service.server.redis_server import free_port
+
+from .conftest import ROOT, wait_until
+
+
+def test_play_starts_everything_and_ctrl_c_stops_it_all(tiny_llama_dir, tmp_path):
+    log = tmp_path / "play.log"
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+    engine_port, web_port = free_port(), free_port()
+    with open(log, "w") as out:
+        play = subprocess.Popen(
+            [sys.executable, "-m", "engine_service.cli", "play", "--model", str(tiny_llama_dir), "--threads", "1",
+             "--num-kv-blocks", "256", "--engine-port", str(engine_port), "--web-port", str(web_port)],
+            stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    try:
+        wait_until(lambda: "is up" in log.read_text() or play.poll() is not None, 150, 0.2, "play to come up")
+        text = log.read_text()
+        assert play.poll() is None, text
+        assert re.search(r"redis: private redis-server on 127\.0\.0\.1:\d+", text)
+        url = re.search(r"is up: (http://\S+)", text).group(1)
+        assert httpx.get(f"http://127.0.0.1:{engine_port}/ready", timeout=5).status_code == 200
+        if (ROOT / "web" / "app.py").exists():
+            assert url == f"http://127.0.0.1:{web_port}"
+        children = psutil.Process(play.pid).children(recursive=True)
+        names = " ".join(" ".join(c.cmdline()) for c in children)
+        assert "redis-server" in names and " engine " in names
+        play.send_signal(signal.SIGINT)
+        assert play.wait(60) == 0
+        gone, alive = psutil.wait_procs(children, timeout=10)
+        assert not alive, [p.cmdline() for p in alive]
+    finally:
+        if play.poll() is None:
+            play.kill()
+            play.wait(10)
