@@ -198,7 +198,7 @@ def start_replica(args, redis_url: str, prefix: str):
 
     stack, port = Stack(), free_port()
     env = dict(os.environ, REDIS_URL=redis_url, DECODELAB_REDIS_PREFIX=prefix)
-    stack.spawn("engine", [sys.executable, "-m", "engine_service.server.api", *engine_argv(args), "--port", str(port),
+    stack.spawn("engine", [sys.executable, "-m", "engine_service.cli", "engine", *engine_argv(args), "--port", str(port),
                            "--served-model-name", args.model, "--max-queue", "100000", "--log-level", "warning"], env)
     try:
         wait_ready(f"http://127.0.0.1:{port}/ready", stack, 600, threading.Event())

@@ -6,9 +6,7 @@ from shared.client import ClientBusy, EngineClient
 from shared.limits import Limits
 from shared.protocol import ChatMessage, DoneEvent, ErrorEvent, GenerationRequest, SamplingOptions, TokenEvent
 
-from .conftest import run, wait_until
-
-GREEDY = dict(temperature=0, ignore_eos=True)
+from tests.helpers import GREEDY, run, wait_until
 TEXTS = ["the " * 25, "x" * 100, "\U0001F600" * 25, "".join(chr(33 + i % 90) for i in range(100))]  # 100 bytes each
 
 
@@ -105,7 +103,7 @@ def test_openai_endpoints_answer_413_over_a_limit_and_429_over_the_client_limit(
     state, http = api
     few, max_tokens, many = _fewest_and_most_tokens(engine.tokenizer)
     state.limits = Limits(max_request_bytes=2000, max_prompt_bytes=100, max_n=2)
-    state.worker.cfg.limits = Limits(max_prompt_tokens=max_tokens)  # text prompts are counted by the replica
+    state.replica.state.cfg.limits = Limits(max_prompt_tokens=max_tokens)  # text prompts are counted by the replica
     body = {"model": "tiny", "max_tokens": 2, **GREEDY}
     for extra, mentions in (({"prompt": "x" * 101}, "101 bytes"), ({"prompt": "x", "n": 3, "temperature": 1}, "n: 3"),
                             ({"prompt": "x", "stop": ["s" * 150] * 16}, "bytes of JSON"),

@@ -44,7 +44,7 @@ def test_greedy_result_through_redis_equals_the_in_process_engine(worker, redis_
     assert [e.seq for e in tokens] == list(range(len(tokens))) and done.seq == len(tokens)
     assert "".join(e.text_delta for e in tokens) == want
     assert sum(len(e.token_ids) for e in tokens) == 24 == done.metrics.completion_tokens
-    assert done.metrics.replica == worker.cfg.name and done.metrics.ttft_s > 0 and sub.gaps == 0
+    assert done.metrics.replica == worker.state.cfg.name and done.metrics.ttft_s > 0 and sub.gaps == 0
 
 
 def test_concurrent_clients_batch_together_with_separate_streams(worker, redis_server, keys, reference_engine):
@@ -63,7 +63,7 @@ def test_concurrent_clients_batch_together_with_separate_streams(worker, redis_s
         assert all(e.request_id == sub.request_id for e in events)
         assert "".join(e.text_delta for e in events if isinstance(e, TokenEvent)) == expected
         assert events[-1].text == expected
-    assert worker.max_batch > 1
+    assert worker.state.max_batch > 1
 
 
 def test_chat_messages_stop_strings_n_and_logprobs(worker, redis_server, keys, reference_engine):

@@ -1,0 +1,1 @@
+"""The HTTP face of a replica: health, readiness, Prometheus metrics and the OpenAI API."""

@@ -1,0 +1,102 @@
+"""The FastAPI app of one replica: /health, /ready, /metrics and the OpenAI routes under /v1."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from contextlib import asynccontextmanager
+
+import anyio
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics, generate_latest
+from pydantic import ValidationError
+from redis.exceptions import RedisError
+
+from engine_service.server.api.body_limit import BodyLimit
+from engine_service.server.api.openai import client_id, serve
+from engine_service.server.api.state import APIError, ServiceState
+from engine_service.server.metrics import EngineCollector
+from shared.openai_schema import ChatBody, CompletionBody, error_body
+from shared.protocol import validation_message
+
+log = logging.getLogger("decodelab.api")
+disable_created_metrics()
+
+
+def create_app(state: ServiceState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        # Shutdown (after open HTTP streams ended): stop pulling, let running requests finish, stop.
+        if (replica := state.replica) is not None:
+            if not await anyio.to_thread.run_sync(replica.drain, state.drain_timeout):
+                log.warning("shutdown: %d requests unfinished; other replicas will re-run them", len(replica.jobs))
+            await anyio.to_thread.run_sync(replica.stop)
+        await state.client.close()
+
+    app = FastAPI(title="DecodeLab engine", version="1", lifespan=lifespan)
+    app.state.service = state
+    state.registry.register(EngineCollector(lambda: state.replica.state if state.replica is not None else None))
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(error_body(e.message, e.type, e.code), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        message = validation_message(list(e.errors()), skip_loc=1, what="body")
+        return JSONResponse(error_body(message, "invalid_request_error"), status_code=400)
+
+    @app.exception_handler(ValidationError)  # a body the OpenAI schema took but the protocol refuses (e.g. 17 stops)
+    async def _protocol_error(_: Request, e: ValidationError) -> JSONResponse:
+        return JSONResponse(error_body(validation_message(e.errors()), "invalid_request_error"), status_code=400)
+
+    # A dependency, not an HTTP middleware: BaseHTTPMiddleware hides client disconnects from the endpoints.
+    async def check_api_key(request: Request) -> None:
+        if state.api_key:
+            given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+            if not hmac.compare_digest(given.encode(), state.api_key.encode()):
+                raise APIError(401, "invalid API key", "authentication_error")
+
+    app.add_middleware(BodyLimit, why_too_large=lambda n: state.limits.check_size(n))
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "uptime_s": round(time.time() - state.started_at, 1)}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        redis_ok = True
+        try:
+            await asyncio.wait_for(state.client.redis.ping(), 2.0)
+        except (RedisError, OSError, asyncio.TimeoutError):
+            redis_ok = False
+        body = {"model_loaded": state.replica is not None, "redis": redis_ok, "model": state.model_name,
+                "load_error": state.load_error}
+        return JSONResponse(body, status_code=200 if state.replica is not None and redis_ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @v1.get("/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": int(state.started_at),
+                                            "owned_by": "decodelab"}]}
+
+    @v1.post("/completions")
+    async def completions(body: CompletionBody, http: Request):
+        return await serve(state, http, body, body.to_request(client_id(http)), chat=False,
+                           want_logprobs=body.logprobs is not None)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatBody, http: Request):
+        request = body.to_request(state.default_max_tokens, client_id(http))
+        return await serve(state, http, body, request, chat=True, want_logprobs=body.logprobs)
+
+    app.include_router(v1)
+    return app

@@ -1,0 +1,32 @@
+"""What the HTTP app holds: the Redis client, limits, and the replica once its model has loaded."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry
+
+from engine_service.server.replica import Replica
+from shared.client import EngineClient
+from shared.limits import Limits
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.code = status, message, type_, code
+
+
+@dataclass
+class ServiceState:
+    model_name: str
+    client: EngineClient
+    registry: CollectorRegistry
+    api_key: str | None = None
+    default_max_tokens: int = 256
+    request_timeout: float = 600.0
+    drain_timeout: float = 30.0
+    limits: Limits = field(default_factory=Limits.from_env)
+    replica: Replica | None = None  # set once the model is loaded
+    load_error: str | None = None
+    started_at: float = field(default_factory=time.time)

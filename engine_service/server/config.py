@@ -1,0 +1,34 @@
+"""A replica's settings: where Redis is, how it names itself, how much it pulls, how long results live."""
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from dataclasses import dataclass, field
+
+from shared.keys import Keys
+from shared.limits import Limits
+
+
+def default_replica_name() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
+
+
+@dataclass
+class ReplicaConfig:
+    redis_url: str
+    keys: Keys = field(default_factory=Keys.from_env)
+    name: str = field(default_factory=default_replica_name)
+    model_name: str = ""
+    claim_idle_s: float = 10.0  # a pending entry idle this long (its replica is gone) is claimed by another
+    result_ttl_s: int = 3600
+    read_block_ms: int = 100
+    expected_tokens: int = 256  # per-request KV estimate (prompt + output) when deciding how much to pull
+    max_pull: int = 16  # most entries taken in one read
+    stats_interval_s: float = 0.25  # engine.stats() refresh (capacity, /metrics); it walks every KV block
+    kv_snapshot_ttl_s: float = 6.0  # the KV snapshot key (playground block map) outlives a stalled replica this long
+    limits: Limits = field(default_factory=Limits.from_env)
+
+    @property
+    def heartbeat_s(self) -> float:
+        return min(1.0, self.claim_idle_s / 4)

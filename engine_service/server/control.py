@@ -1,0 +1,81 @@
+"""The control thread: cancellations (the cancel channel) and heartbeats (keeps this replica's pending entries
+fresh so nobody claims them, notices entries another replica claimed, publishes the replica's presence)."""
+from __future__ import annotations
+
+import logging
+import time
+
+from pydantic import BaseModel
+
+from engine_service.server.jobs import Cancel, Drop
+from engine_service.server.state import CONN_ERRORS, ReplicaState
+from shared.protocol import encode
+from shared.scripts import HEARTBEAT
+
+log = logging.getLogger("decodelab.replica")
+
+
+class ReplicaInfo(BaseModel):
+    model: str
+    running: int
+    capacity: int
+
+
+class Control:
+    def __init__(self, state: ReplicaState):
+        self.s = state
+        self._heartbeat = state.redis.register_script(HEARTBEAT)
+
+    def run(self) -> None:
+        s = self.s
+        pubsub, last_beat, delay = None, 0.0, 0.1
+        while not s.stop.is_set():
+            try:
+                if pubsub is None:
+                    pubsub = s.redis.pubsub(ignore_subscribe_messages=True)
+                    pubsub.subscribe(s.keys.cancel_channel)
+                msg = pubsub.get_message(timeout=0.1)
+                if msg and msg["type"] == "message" and (job := s.jobs.get(msg["data"])) is not None:
+                    job.cancelled = True
+                    s.commands.put(Cancel(job))
+                if time.monotonic() - last_beat >= s.cfg.heartbeat_s:
+                    last_beat = time.monotonic()
+                    self._beat()
+                delay = 0.1
+            except CONN_ERRORS as e:
+                s.redis_ok = False
+                log.warning("control: Redis unreachable (%s)", e)
+                if pubsub is not None:
+                    try:
+                        pubsub.close()
+                    except Exception:
+                        pass
+                pubsub = None
+                s.stop.wait(delay)
+                delay = min(2 * delay, 2.0)
+            except Exception:  # e.g. a script error: keep cancelling and heart-beating
+                log.exception("control")
+                s.stop.wait(delay)
+        if pubsub is not None:
+            pubsub.close()
+
+    def _beat(self) -> None:
+        s, keys = self.s, self.s.keys
+        jobs = list(s.jobs.values())
+        args = [keys.group, s.cfg.name, keys.owner(""), int(s.cfg.claim_idle_s * 2000)]
+        for job in jobs:
+            args += [job.entry_id, job.rid]
+        lost = self._heartbeat(keys=[keys.stream], args=args) if jobs else []
+        for rid in lost:
+            if (job := s.jobs.get(rid)) is not None:
+                log.warning("request %s was claimed by another replica; dropping it here", rid)
+                s.commands.put(Drop(job))
+        pipe = s.redis.pipeline(transaction=False)
+        info = ReplicaInfo(model=s.cfg.model_name, running=len(jobs), capacity=s.capacity())
+        pipe.set(keys.replica(s.cfg.name), encode(info), px=int(s.cfg.heartbeat_s * 3000))
+        pipe.xlen(keys.stream)
+        pipe.xpending(keys.stream, keys.group)
+        _, length, pending = pipe.execute(raise_on_error=False)
+        if isinstance(length, int) and isinstance(pending, dict):
+            s.queue_length = max(0, length - pending["pending"])
+        s.redis_ok = True

@@ -1,0 +1,106 @@
+"""`decodelab engine`: one replica (engine + Redis intake/publisher) and its HTTP API (health, metrics, OpenAI).
+
+The API answers /health (and /ready = 503) while the model loads; on SIGINT / SIGTERM uvicorn ends open HTTP
+streams, then the app's lifespan stops pulling, lets running requests finish (--drain-timeout) and exits.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import threading
+
+from prometheus_client import CollectorRegistry
+
+from engine_service.server.api.app import create_app
+from engine_service.server.api.state import ServiceState
+from engine_service.server.config import ReplicaConfig
+from engine_service.server.metrics import ReplicaMetrics
+from engine_service.server.replica import Replica
+from shared.client import EngineClient
+from shared.keys import Keys
+
+log = logging.getLogger("decodelab.engine")
+
+
+def add_parser(subparsers, add_engine_args) -> argparse.ArgumentParser:
+    """Registered by cli.py (engine options come from cli.add_engine_args)."""
+    return add_engine_parser(subparsers, add_engine_args)
+
+
+def add_engine_parser(subparsers, add_engine_args) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("engine", help="run one engine replica: Redis worker + HTTP API (OpenAI, metrics)")
+    add_engine_args(p)
+    add_service_args(p)
+    p.set_defaults(func=run_engine)
+    return p
+
+
+def add_service_args(p: argparse.ArgumentParser) -> None:
+    env = os.environ.get
+    p.add_argument("--served-model-name", default=None, help="model id in the OpenAI API (default: --model)")
+    p.add_argument("--redis-url", default=env("REDIS_URL"), help="default: $REDIS_URL")
+    p.add_argument("--host", default=env("DECODELAB_HOST", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=int(env("DECODELAB_ENGINE_PORT", 8000)))
+    p.add_argument("--api-key", default=env("DECODELAB_API_KEY") or None, help="default: $DECODELAB_API_KEY")
+    p.add_argument("--replica-name", default=None)
+    p.add_argument("--claim-idle", type=float, default=float(env("DECODELAB_CLAIM_IDLE_S", 10.0)),
+                   help="seconds before a dead replica's request is re-run elsewhere")
+    p.add_argument("--max-queue", type=int, default=int(env("DECODELAB_MAX_QUEUE", 256)),
+                   help="requests waiting in Redis beyond which new ones are refused")
+    p.add_argument("--expected-tokens", type=int, default=int(env("DECODELAB_EXPECTED_TOKENS", 256)),
+                   help="per-request KV estimate (prompt + output tokens) when deciding how many requests to pull; "
+                        "lower admits more and relies on preemption when they outgrow the pool")
+    p.add_argument("--default-max-tokens", type=int, default=256, help="chat completions without max_tokens")
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="on shutdown, seconds to finish running requests")
+    p.add_argument("--log-level", default=env("DECODELAB_LOG_LEVEL", "info"))
+
+
+def _load(state: ServiceState, args, metrics: ReplicaMetrics, server) -> None:
+    from engine_service.cli import engine_config_from_args
+    from engine_service.engine.llm_engine import LLMEngine
+
+    try:
+        engine = LLMEngine(engine_config_from_args(args))
+        cfg = ReplicaConfig(args.redis_url, keys=state.client.keys, model_name=state.model_name,
+                           claim_idle_s=args.claim_idle, expected_tokens=args.expected_tokens)
+        if args.replica_name:
+            cfg.name = args.replica_name
+        state.replica = Replica(engine, cfg, metrics).start()
+        log.info("replica %s ready: model %s", cfg.name, state.model_name)
+    except Exception as e:
+        log.exception("model load failed")
+        state.load_error = f"{type(e).__name__}: {e}"
+        server.should_exit = True
+
+
+def run_engine(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if not args.redis_url:
+        raise SystemExit("decodelab engine: no Redis; pass --redis-url or set REDIS_URL (or use `decodelab play`)")
+    registry = CollectorRegistry()
+    client = EngineClient(args.redis_url, Keys.from_env(), max_queue=args.max_queue)
+    state = ServiceState(model_name=args.served_model_name or args.model, client=client, registry=registry,
+                         api_key=args.api_key, default_max_tokens=args.default_max_tokens,
+                         drain_timeout=args.drain_timeout)
+    app = create_app(state)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower()))
+    loader = threading.Thread(target=_load, args=(state, args, ReplicaMetrics(registry), server), daemon=True)
+    loader.start()  # the API answers /health (and /ready = 503) while the model loads
+    server.run()  # on SIGINT / SIGTERM the app's lifespan drains the worker
+    return 0 if state.load_error is None else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    from engine_service.cli import add_engine_args
+
+    parser = argparse.ArgumentParser(prog="decodelab engine")
+    add_engine_args(parser)
+    add_service_args(parser)
+    return run_engine(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,169 @@
+"""The engine thread: applies commands (add, cancel, drop), steps the engine, turns its outputs into events.
+
+It is the only thread that touches the engine. An exception raised for one request ends that request only;
+the engine isolates failures inside a step (RequestOutput.error), and a step that still raises fails what was
+running and keeps the replica serving.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import time
+
+from engine_service.engine.sampling_params import SamplingParams
+from engine_service.server.events import done_event, error_event, token_events
+from engine_service.server.jobs import Add, Cancel, Command, Drop, Job, Publish, StoreSnapshot
+from engine_service.server.kv_snapshot import kv_snapshot
+from engine_service.server.state import ReplicaState
+from shared.protocol import DoneEvent, encode
+
+log = logging.getLogger("decodelab.replica")
+
+
+class EngineLoop:
+    def __init__(self, state: ReplicaState):
+        self.s = state
+        self.engine = state.engine
+        self._stats_at = 0.0
+        self._kv_last: dict | None = None
+        self._kv_sent_at = 0.0
+
+    def run(self) -> None:
+        s = self.s
+        while not s.stop.is_set():
+            for command in self._commands():
+                self._apply(command)
+            self._check_deadlines()
+            if self.engine.has_unfinished():
+                self._step()
+            if time.monotonic() - self._stats_at > s.cfg.stats_interval_s:
+                s.stats, self._stats_at = self.engine.stats(), time.monotonic()
+                self._snapshot_kv()
+
+    def _commands(self) -> list[Command]:
+        """Every queued command; waits a little for one when the engine is idle."""
+        out = []
+        try:
+            item = (self.s.commands.get_nowait() if self.engine.has_unfinished()
+                    else self.s.commands.get(timeout=0.05))
+            while item is not None:
+                out.append(item)
+                item = self.s.commands.get_nowait()
+        except queue.Empty:
+            pass
+        return out
+
+    def _step(self) -> None:
+        s = self.s
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # a bug the engine could not pin on one request: fail what ran, keep serving
+            log.exception("engine step failed")
+            self._fail_all("engine_error", f"engine step failed: {type(e).__name__}: {e}")
+            return
+        now = time.time()
+        if outputs:
+            s.max_batch = max(s.max_batch, len(outputs))
+            s.metrics.batch.observe(len(outputs))
+        for out in outputs:
+            if (job := s.jobs.get(out.request_id)) is None:
+                continue
+            try:
+                self._on_output(job, out, now)
+            except Exception as e:  # fail this request, keep the others
+                log.exception("output of %s", job.rid)
+                self.engine.abort(job.rid)
+                s.end(job, error_event(job, "engine_error", f"{type(e).__name__}: {e}"))
+
+    def _snapshot_kv(self) -> None:
+        """Queue the KV picture for Redis when it changed (else every 2 s, to keep the key alive)."""
+        s = self.s
+        snap = kv_snapshot(self.engine, s.cfg.name, s.cfg.model_name, s.stats)
+        body = snap.model_dump(exclude={"at"})
+        if body != self._kv_last or time.monotonic() - self._kv_sent_at > 2.0:
+            self._kv_last, self._kv_sent_at = body, time.monotonic()
+            s.outbox.put(StoreSnapshot(s.keys.kv(s.cfg.name), encode(snap)))
+
+    def _apply(self, command: Command) -> None:
+        job, s = command.job, self.s
+        if isinstance(command, Add):
+            self._add(job)
+        elif s.jobs.get(job.rid) is not job or not job.started:
+            return  # finished meanwhile, or not in the engine yet (the Add will see job.cancelled)
+        elif isinstance(command, Cancel):
+            self.engine.abort(job.rid)
+            s.end(job, self._done(job, "cancelled", None))
+        elif isinstance(command, Drop):
+            self.engine.abort(job.rid)
+            s.jobs.pop(job.rid, None)
+
+    def _add(self, job: Job) -> None:
+        s = self.s
+        if job.cancelled:
+            s.end(job, self._done(job, "cancelled", []))
+            return
+        try:
+            prompt = self._prompt(job)
+            if isinstance(prompt, str):  # counted before the engine sees it (a token-id prompt at intake)
+                if (why := s.cfg.limits.check_prompt_tokens(len(self.engine.tokenizer(prompt).input_ids))):
+                    s.end(job, error_event(job, "limit_exceeded", why))
+                    return
+            self.engine.add_request(job.rid, prompt, SamplingParams(**job.request.params.model_dump()))
+            job.started = True
+        except (ValueError, TypeError) as e:
+            s.end(job, error_event(job, "invalid_request", str(e)))
+        except Exception as e:  # a bug, not the request's fault: report it, keep serving
+            log.exception("add_request %s", job.rid)
+            self.engine.abort(job.rid)
+            s.end(job, error_event(job, "engine_error", f"{type(e).__name__}: {e}"))
+
+    def _prompt(self, job: Job) -> str | list[int]:
+        req = job.request
+        if req.messages is None:
+            return req.prompt
+        try:
+            return self.engine.tokenizer.apply_chat_template(
+                [m.model_dump() for m in req.messages], tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # jinja's TemplateError (raise_exception in the template), ...
+            raise ValueError(f"messages: the model's chat template refused them: {e}") from None
+
+    def _check_deadlines(self) -> None:
+        now = time.time()
+        for job in [j for j in list(self.s.jobs.values()) if j.started and j.request.deadline is not None]:
+            if now > job.request.deadline:
+                self.engine.abort(job.rid)
+                self.s.end(job, error_event(job, "deadline_exceeded", "deadline passed during generation"))
+
+    def _fail_all(self, code: str, message: str) -> None:
+        for job in [j for j in list(self.s.jobs.values()) if j.started]:
+            self.engine.abort(job.rid)
+            self.s.end(job, error_event(job, code, message))
+        self.s.engine_error = message
+
+    def _on_output(self, job: Job, out, now: float) -> None:
+        s = self.s
+        job.prompt_tokens = len(out.prompt_token_ids)
+        for ev in token_events(job, out, self.engine.tokenizer):
+            s.outbox.put(Publish(job.rid, encode(ev)))
+            s.metrics.generated.inc(len(ev.token_ids))
+        if out.metrics is not None and out.metrics.spec is not None:
+            job.spec = out.metrics.spec
+        if job.first_token_at is None:
+            job.first_token_at = now
+            s.metrics.ttft.observe(max(0.0, now - job.request.created_at))  # clocks of other hosts may differ
+        elif job.last_token_at is not None:
+            s.metrics.itl.observe(now - job.last_token_at)
+        job.last_token_at = now
+        if getattr(out, "error", None) is not None:  # the engine ended this request alone (see LLMEngine.step)
+            s.end(job, error_event(job, "engine_error", out.error))
+        elif out.finished:
+            s.end(job, self._done(job, out.outputs[0].finish_reason, out.outputs))
+
+    def _done(self, job: Job, reason: str | None, outputs) -> DoneEvent:
+        ev = done_event(job, reason, outputs, self.engine.tokenizer, self.s.cfg.name)
+        m = self.s.metrics
+        if ev.metrics.tpot_s is not None:
+            m.tpot.observe(ev.metrics.tpot_s)
+        m.e2e.observe(max(0.0, ev.metrics.e2e_s))
+        m.prompt_tokens.inc(job.prompt_tokens)
+        return ev

@@ -1,0 +1,79 @@
+"""A request as one replica holds it, and the typed records its threads pass to each other.
+
+Commands go to the engine thread (the only one that touches the engine); outbox items go to the publisher
+thread (the only one that writes results and events to Redis).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared.protocol import GenerationRequest
+
+
+@dataclass(eq=False)
+class Job:
+    request: GenerationRequest
+    entry_id: str
+    attempt: int
+    picked_at: float
+    seq: int = 0
+    sent: dict[int, tuple[str, list[int]]] = field(default_factory=dict)  # index -> (text, token ids) published
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    prompt_tokens: int = 0
+    cancelled: bool = False
+    started: bool = False
+    spec: dict | None = None  # the engine's speculative counters (RequestMetrics.spec), latest
+
+    @property
+    def rid(self) -> str:
+        return self.request.request_id
+
+    def next_seq(self) -> int:
+        self.seq += 1
+        return self.seq - 1
+
+
+# ---- commands for the engine thread
+@dataclass(frozen=True)
+class Add:
+    job: Job
+
+
+@dataclass(frozen=True)
+class Cancel:
+    job: Job
+
+
+@dataclass(frozen=True)
+class Drop:
+    """Another replica claimed the request: stop running it here without answering."""
+
+    job: Job
+
+
+Command = Add | Cancel | Drop
+
+
+# ---- items for the publisher thread
+@dataclass(frozen=True)
+class Publish:
+    request_id: str
+    payload: str  # an encoded TokenEvent
+
+
+@dataclass(frozen=True)
+class StoreSnapshot:
+    key: str
+    payload: str  # an encoded KVSnapshot
+
+
+@dataclass(frozen=True)
+class Finish:
+    request_id: str
+    entry_id: str
+    payload: str  # the encoded terminal event: stored as the result, published, the entry acknowledged
+    client_id: str
+
+
+OutboxItem = Publish | StoreSnapshot | Finish

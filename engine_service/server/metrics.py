@@ -1,0 +1,66 @@
+"""Prometheus metrics of one replica: request latencies (observed as events are built) and engine gauges (read
+from the replica's latest stats snapshot at scrape time)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from engine_service.server.state import ReplicaState
+
+LATENCY_BUCKETS = (.005, .01, .025, .05, .075, .1, .15, .2, .3, .5, .75, 1, 1.5, 2, 3, 5, 7.5, 10, 20, 40, 80)
+
+
+class ReplicaMetrics:
+    def __init__(self, registry: CollectorRegistry):
+        def hist(name: str, doc: str, buckets=LATENCY_BUCKETS) -> Histogram:
+            return Histogram(f"decodelab_{name}", doc, buckets=buckets, registry=registry)
+
+        self.ttft = hist("time_to_first_token_seconds", "Request created -> first token")
+        self.tpot = hist("time_per_output_token_seconds", "Mean time per output token after the first")
+        self.itl = hist("inter_token_latency_seconds", "Time between consecutive token events of a request")
+        self.queue = hist("queue_time_seconds", "Request created -> picked up by a replica")
+        self.e2e = hist("e2e_request_latency_seconds", "Request created -> finished")
+        self.batch = hist("batch_size", "Requests advanced per engine step", (1, 2, 4, 8, 16, 32, 64, 128, 256))
+        self.finished = Counter("decodelab_requests", "Finished requests by outcome", ["outcome"], registry=registry)
+        self.prompt_tokens = Counter("decodelab_prompt_tokens", "Prompt tokens of finished requests", registry=registry)
+        self.generated = Counter("decodelab_generation_tokens", "Tokens generated", registry=registry)
+
+
+class EngineCollector:
+    """Engine and queue gauges of the replica that `get_state()` returns (None until the model is loaded)."""
+
+    def __init__(self, get_state):
+        self.get_state = get_state
+
+    def collect(self):
+        state: ReplicaState | None = self.get_state()
+        if state is None:
+            return
+        st = state.stats
+        blocks = GaugeMetricFamily("decodelab_kv_blocks", "KV cache blocks by state", labels=["state"])
+        for name in ("total", "used", "shared", "cached", "free"):
+            blocks.add_metric([name], st.get(f"blocks_{name}", 0))
+        yield blocks
+        queries, hits = st.get("prefix_queries", 0), st.get("prefix_hits", 0)
+        yield CounterMetricFamily("decodelab_prefix_cache_queries", "Prefix-cache block lookups", value=queries)
+        yield CounterMetricFamily("decodelab_prefix_cache_hits", "Prefix-cache block hits", value=hits)
+        yield GaugeMetricFamily("decodelab_prefix_cache_hit_rate", "hits / queries",
+                                value=hits / queries if queries else 0)
+        yield CounterMetricFamily("decodelab_preemptions", "Sequences preempted", value=st.get("preemptions", 0))
+        yield CounterMetricFamily("decodelab_cow_copies", "Copy-on-write block copies", value=st.get("cow_copies", 0))
+        proposed, accepted = st.get("spec_proposed"), st.get("spec_accepted")
+        if proposed is not None and accepted is not None:
+            yield CounterMetricFamily("decodelab_spec_proposed_tokens", "Draft tokens proposed", value=proposed)
+            yield CounterMetricFamily("decodelab_spec_accepted_tokens", "Draft tokens accepted", value=accepted)
+            yield GaugeMetricFamily("decodelab_spec_acceptance_rate", "accepted / proposed",
+                                    value=accepted / proposed if proposed else 0)
+        yield GaugeMetricFamily("decodelab_num_running", "Sequences running in the batch",
+                                value=st.get("num_running", 0))
+        yield GaugeMetricFamily("decodelab_num_waiting", "Requests waiting inside the engine",
+                                value=st.get("num_waiting", 0))
+        yield GaugeMetricFamily("decodelab_replica_requests", "Requests held by this replica", value=len(state.jobs))
+        yield GaugeMetricFamily("decodelab_queue_length", "Requests waiting in the Redis stream for any replica",
+                                value=state.queue_length)

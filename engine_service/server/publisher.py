@@ -1,0 +1,66 @@
+"""The publisher thread: pipelines token events (PUBLISH), KV snapshots (SET) and finishes (the atomic script that
+stores the result, publishes it, acknowledges and deletes the entry and frees the client's slot)."""
+from __future__ import annotations
+
+import logging
+import queue
+
+from engine_service.server.jobs import Finish, OutboxItem, Publish, StoreSnapshot
+from engine_service.server.state import CONN_ERRORS, ReplicaState
+from shared.scripts import FINISH
+
+log = logging.getLogger("decodelab.replica")
+
+
+class Publisher:
+    def __init__(self, state: ReplicaState):
+        self.s = state
+        self._finish = state.redis.register_script(FINISH)
+
+    def _take(self, pending: list[OutboxItem]) -> None:
+        """Wait briefly for one item, then take whatever else is queued (up to 512 a pipeline)."""
+        try:
+            pending.append(self.s.outbox.get(timeout=0.1))
+        except queue.Empty:
+            return
+        while len(pending) < 512:
+            try:
+                pending.append(self.s.outbox.get_nowait())
+            except queue.Empty:
+                return
+
+    def run(self) -> None:
+        s = self.s
+        pending: list[OutboxItem] = []
+        delay = 0.05
+        while not (s.stop.is_set() and not pending and s.outbox.empty()):
+            self._take(pending)
+            if not pending:
+                continue
+            try:
+                self._send(pending)
+                pending, delay = [], 0.05
+            except CONN_ERRORS as e:
+                # Token events lost in an outage are repaired by clients from the result key; results are kept.
+                pending = [item for item in pending if isinstance(item, Finish)]
+                log.warning("publish: Redis unreachable (%s); %d results held", e, len(pending))
+                if s.stop.wait(delay) and delay >= 1.0:
+                    return
+                delay = min(2 * delay, 1.0)
+
+    def _send(self, items: list[OutboxItem]) -> None:
+        s, keys = self.s, self.s.keys
+        pipe = s.redis.pipeline(transaction=False)
+        for item in items:
+            if isinstance(item, Publish):
+                pipe.publish(keys.events(item.request_id), item.payload)
+            elif isinstance(item, StoreSnapshot):
+                pipe.set(item.key, item.payload, px=int(s.cfg.kv_snapshot_ttl_s * 1000))
+            else:
+                rid = item.request_id
+                self._finish(keys=[keys.result(rid), keys.events(rid), keys.stream, keys.owner(rid),
+                                   keys.client(item.client_id)],
+                             args=[keys.group, item.entry_id, item.payload, s.cfg.result_ttl_s, rid], client=pipe)
+        for reply in pipe.execute(raise_on_error=False):
+            if isinstance(reply, Exception):
+                log.error("publish: Redis refused a command: %s", reply)

@@ -1,0 +1,68 @@
+"""An engine replica: pulls requests from the Redis stream into the engine's running batch, streams tokens back.
+
+Four threads, one role each (composition over a shared ReplicaState): `intake` (XREADGROUP / XAUTOCLAIM as free
+capacity allows), `engine` (add/abort/step: the only thread touching the engine), `publish` (pipelines PUBLISH
+and the atomic finish script), `control` (cancel channel, heartbeats). Redis I/O never runs on the engine thread.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import redis
+from prometheus_client import CollectorRegistry
+
+from engine_service.server.config import ReplicaConfig
+from engine_service.server.control import Control
+from engine_service.server.engine_loop import EngineLoop
+from engine_service.server.intake import Intake
+from engine_service.server.metrics import ReplicaMetrics
+from engine_service.server.publisher import Publisher
+from engine_service.server.state import ReplicaState
+
+
+class Replica:
+    def __init__(self, engine, config: ReplicaConfig, metrics: ReplicaMetrics | None = None):
+        # encoding_errors="replace": a stream entry that is not UTF-8 becomes a refused request, not an intake error
+        client = redis.Redis.from_url(config.redis_url, decode_responses=True, encoding_errors="replace",
+                                      socket_connect_timeout=2, socket_timeout=config.read_block_ms / 1000 + 5,
+                                      health_check_interval=5)
+        self.state = ReplicaState(engine, config, metrics or ReplicaMetrics(CollectorRegistry()), client,
+                                  stats=engine.stats())
+        self.state.pulling.set()
+        self.roles = {"intake": Intake(self.state), "engine": EngineLoop(self.state),
+                      "publish": Publisher(self.state), "control": Control(self.state)}
+        self._threads: list[threading.Thread] = []
+
+    # the state the tests and the HTTP app read
+    @property
+    def engine(self):
+        return self.state.engine
+
+    @property
+    def jobs(self):
+        return self.state.jobs
+
+    def start(self) -> Replica:
+        for name, role in self.roles.items():
+            t = threading.Thread(target=role.run, name=f"replica-{name}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        return self
+
+    def drain(self, timeout: float) -> bool:
+        """Stop pulling and let running requests finish (True if all did within timeout)."""
+        self.state.pulling.clear()
+        end = time.monotonic() + timeout
+        while self.state.jobs and time.monotonic() < end:
+            time.sleep(0.05)
+        return not self.state.jobs
+
+    def stop(self, timeout: float = 5.0) -> None:
+        s = self.state
+        s.pulling.clear()
+        s.stop.set()
+        s.commands.put(None)
+        for t in self._threads:
+            t.join(timeout)
+        s.redis.close()
