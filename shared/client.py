@@ -1,6 +1,8 @@
 """Client side of the Redis protocol: submit, stream events with gap detection, recover, cancel.
 
-Used by the web UI and the OpenAI endpoints alike (asyncio; redis.asyncio).
+Used by the web UI and the OpenAI endpoints alike (asyncio; redis.asyncio). One client holds one bounded
+connection pool (callers wait for a free connection instead of failing) with a timeout on every socket, and one
+pub/sub connection for all its streams (shared/subscriber.py).
 """
 from __future__ import annotations
 
@@ -13,14 +15,33 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 from pydantic import ValidationError
-from redis.asyncio.client import PubSub
 from redis.exceptions import RedisError, ResponseError
 
 from shared.keys import Keys
 from shared.limits import Limits
-from shared.protocol import (PROTOCOL_VERSION, DoneEvent, ErrorEvent, GenerationRequest, TerminalEvent,
-                             TokenEvent, decode_event, encode)
+from shared.protocol import (
+    PROTOCOL_VERSION,
+    DoneEvent,
+    ErrorEvent,
+    GenerationRequest,
+    TerminalEvent,
+    TokenEvent,
+    decode_event,
+    encode,
+)
 from shared.scripts import SUBMIT
+from shared.subscriber import RECONNECTED, Subscriber
+
+
+def connect(url: str, max_connections: int = 64, pool_timeout: float = 10.0, socket_timeout: float = 10.0,
+            connect_timeout: float = 2.0, client_name: str | None = None) -> aioredis.Redis:
+    """A Redis client whose every call is bounded: connecting, each reply, and the wait for a pooled connection.
+    `client_name` names its connections in CLIENT LIST."""
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url, decode_responses=True, max_connections=max_connections, timeout=pool_timeout,
+        socket_timeout=socket_timeout, socket_connect_timeout=connect_timeout, health_check_interval=30,
+        client_name=client_name)
+    return aioredis.Redis(connection_pool=pool)
 
 
 class QueueFull(Exception):
@@ -49,13 +70,19 @@ async def ensure_group(r: aioredis.Redis, keys: Keys) -> None:
 class Submission:
     request: GenerationRequest
     entry_id: str
-    pubsub: PubSub
+    events: asyncio.Queue  # raw event payloads from the subscriber (or RECONNECTED)
+    channel: str
+    subscriber: Subscriber
     gaps: int = 0  # sequence gaps seen; after one, tokens are skipped and the result key is used
     restarts: int = 0  # times a replica re-ran the request (its first replica died)
 
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+    async def close(self) -> None:
+        """Stop listening (the request itself runs on; see EngineClient.cancel)."""
+        await self.subscriber.unsubscribe(self.channel)
 
 
 @dataclass
@@ -92,7 +119,8 @@ class EngineClient:
     def __init__(self, redis: aioredis.Redis | str, keys: Keys | None = None, *, max_queue: int | None = None,
                  max_per_client: int | None = None, recover_after: float = 3.0, lost_after: float = 5.0,
                  timeout: float = 600.0, result_ttl: int = 3600) -> None:
-        self.redis = aioredis.Redis.from_url(redis, decode_responses=True) if isinstance(redis, str) else redis
+        self.redis = connect(redis) if isinstance(redis, str) else redis
+        self.subscriber = Subscriber(self.redis)
         self.keys = keys or Keys.from_env()
         self.max_queue = max_queue if max_queue is not None else int(os.environ.get("DECODELAB_MAX_QUEUE", 256))
         self.max_per_client = max_per_client if max_per_client is not None else Limits.from_env().max_per_client
@@ -104,6 +132,7 @@ class EngineClient:
         self._group_ready = False
 
     async def close(self) -> None:
+        await self.subscriber.close()
         await self.redis.aclose()
 
     async def submit(self, request: GenerationRequest) -> Submission:
@@ -111,25 +140,23 @@ class EngineClient:
         if not self._group_ready:
             await ensure_group(self.redis, self.keys)
             self._group_ready = True
-        pubsub = self.redis.pubsub()
+        channel = self.keys.events(request.request_id)
+        events = await self.subscriber.subscribe(channel)  # confirmed before the request exists: nothing is missed
         try:
-            await pubsub.subscribe(self.keys.events(request.request_id))
             per_client = self.max_per_client if request.client_id else 0
             ok, value = await self._submit(
                 keys=[self.keys.stream, self.keys.client(request.client_id)],
                 args=[self.keys.group, self.max_queue, PROTOCOL_VERSION, request.request_id, encode(request),
                       per_client, int(self.timeout) + 60])
+            if int(ok) == 2:
+                raise ClientBusy(f"too many requests: client {request.client_id!r} has {_s(value)} queued or "
+                                 f"running (limit {self.max_per_client}); retry when one has finished")
+            if not int(ok):
+                raise QueueFull(f"queue full: {_s(value)} requests waiting (limit {self.max_queue}); retry later")
         except BaseException:
-            await pubsub.aclose()
+            await self.subscriber.unsubscribe(channel)
             raise
-        if int(ok) == 2:
-            await pubsub.aclose()
-            raise ClientBusy(f"too many requests: client {request.client_id!r} has {_s(value)} queued or running "
-                             f"(limit {self.max_per_client}); retry when one has finished")
-        if not int(ok):
-            await pubsub.aclose()
-            raise QueueFull(f"queue full: {_s(value)} requests waiting (limit {self.max_queue}); retry later")
-        return Submission(request, _s(value), pubsub)
+        return Submission(request, _s(value), events, channel, self.subscriber)
 
     async def result(self, request_id: str) -> TerminalEvent | None:
         data = await self.redis.get(self.keys.result(request_id))
@@ -151,19 +178,6 @@ class EngineClient:
             return True
         return await self.result(rid) or False  # it may have finished between the checks
 
-    async def _resubscribe(self, sub: Submission, end: float) -> bool:
-        delay = 0.1
-        while time.monotonic() < end:
-            try:
-                await sub.pubsub.aclose()
-                sub.pubsub = self.redis.pubsub()
-                await sub.pubsub.subscribe(self.keys.events(sub.request_id))
-                return True
-            except (RedisError, OSError):
-                await asyncio.sleep(delay)
-                delay = min(2 * delay, 1.0)
-        return False
-
     async def stream(self, sub: Submission, timeout: float | None = None
                      ) -> AsyncIterator[TokenEvent | DoneEvent | ErrorEvent]:
         """Yield the request's TokenEvents, then exactly one terminal event (DoneEvent or ErrorEvent).
@@ -174,13 +188,21 @@ class EngineClient:
         end = time.monotonic() + (timeout or self.timeout)
         if sub.request.deadline is not None:  # the replica reports a missed deadline itself; this is a backstop
             end = min(end, time.monotonic() + max(0.0, sub.request.deadline - time.time()) + self.recover_after + 2)
-        attempt, next_seq, gap = 0, 0, False
+        attempt, next_seq, gap, unreachable = 0, 0, False, False
         last_heard, missing_since = time.monotonic(), None
         try:
             while True:
                 now = time.monotonic()
-                if now >= end:
+                if now >= end and unreachable:
+                    yield ErrorEvent(request_id=rid, seq=0, attempt=max(attempt, 1), code="unavailable",
+                                     message="Redis unreachable; the request's fate is unknown")
+                    return
+                if now >= end:  # nobody waits for it any more: stop it too
                     code = "deadline_exceeded" if sub.request.deadline is not None else "timeout"
+                    try:
+                        await asyncio.wait_for(self.cancel(rid), 2.0)
+                    except (TimeoutError, RedisError, OSError):
+                        pass
                     yield ErrorEvent(request_id=rid, seq=0, attempt=max(attempt, 1), code=code,
                                      message=f"no result for request {rid} in time")
                     return
@@ -188,6 +210,7 @@ class EngineClient:
                     if now - last_heard >= self.recover_after:
                         last_heard = now
                         known = await self._recover(sub)
+                        unreachable = False
                         if not isinstance(known, bool):
                             yield known
                             return
@@ -199,20 +222,19 @@ class EngineClient:
                                              message="the request is gone from Redis with no result "
                                                      "(was Redis restarted without persistence?)")
                             return
-                    msg = await sub.pubsub.get_message(ignore_subscribe_messages=True,
-                                                       timeout=min(0.5, max(0.01, end - now)))
                 except (RedisError, OSError):
-                    if not await self._resubscribe(sub, end):
-                        yield ErrorEvent(request_id=rid, seq=0, attempt=max(attempt, 1), code="unavailable",
-                                         message="Redis unreachable; the request's fate is unknown")
-                        return
-                    last_heard = 0.0  # check the result key at once
-                    continue
-                await asyncio.sleep(0)  # buffered messages return at once: let other streams run too
-                if msg is None or msg.get("type") != "message":
+                    unreachable = True  # keep trying until the deadline; the subscriber reconnects meanwhile
+                    await asyncio.sleep(0.1)
                     continue
                 try:
-                    ev = decode_event(msg["data"])
+                    data = await asyncio.wait_for(sub.events.get(), min(0.5, max(0.01, end - now)))
+                except TimeoutError:
+                    continue
+                if data is RECONNECTED:  # events may have been lost while the connection was down
+                    last_heard = 0.0
+                    continue
+                try:
+                    ev = decode_event(data)
                 except ValidationError:
                     continue
                 if ev.request_id != rid or ev.attempt < attempt:
@@ -233,7 +255,7 @@ class EngineClient:
                 if not gap:
                     yield ev
         finally:
-            await sub.pubsub.aclose()
+            await sub.close()
 
     async def generate(self, request: GenerationRequest, timeout: float | None = None) -> TerminalEvent:
         """Submit and wait for the terminal event (errors are returned, not raised; QueueFull is raised)."""

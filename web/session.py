@@ -40,9 +40,7 @@ class Service:
         loop = asyncio.get_running_loop()
         c = self._clients.get(id(loop))
         if c is None:
-            r = aioredis.Redis.from_url(self.redis_url, decode_responses=True, socket_connect_timeout=2,
-                                        socket_timeout=10)
-            c = self._clients[id(loop)] = EngineClient(r, self.keys, recover_after=2.0)
+            c = self._clients[id(loop)] = EngineClient(self.redis_url, self.keys, recover_after=2.0)
         return c
 
     async def health(self) -> tuple[bool, dict[str, dict]]:

@@ -121,11 +121,20 @@ def test_chat_with_bad_messages_is_rejected(api):
         assert r.status_code == 400, r.text
 
 
-def test_a_full_queue_answers_429(api):
+def test_a_full_queue_answers_429_with_retry_after(api):
     state, http = api
     state.client.max_queue = 0
     r = http.post("/v1/completions", json={"model": "tiny", "prompt": "x"})
     assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+    assert int(r.headers["retry-after"]) >= 1
+
+
+def test_unknown_routes_and_methods_answer_openai_shaped_errors(api):
+    _, http = api
+    for r, status in ((http.get("/v1/nope"), 404), (http.get("/v1/completions"), 405)):
+        assert r.status_code == status, r.text
+        error = r.json()["error"]
+        assert error["message"] and error["type"], error
 
 
 def test_api_key_is_required_when_set(api):

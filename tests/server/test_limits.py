@@ -5,8 +5,8 @@ import redis.asyncio as aioredis
 from shared.client import ClientBusy, EngineClient
 from shared.limits import Limits
 from shared.protocol import ChatMessage, DoneEvent, ErrorEvent, GenerationRequest, SamplingOptions, TokenEvent
-
 from tests.helpers import GREEDY, run, wait_until
+
 TEXTS = ["the " * 25, "x" * 100, "\U0001F600" * 25, "".join(chr(33 + i % 90) for i in range(100))]  # 100 bytes each
 
 
@@ -99,17 +99,18 @@ def test_a_client_over_its_concurrency_limit_is_refused_until_one_of_its_request
     wait_until(lambda: sync_redis.zcard(keys.client("alice")) == 0, 5, what="alice's slots freed by the finishes")
 
 
-def test_openai_endpoints_answer_413_over_a_limit_and_429_over_the_client_limit(api, engine):
+def test_openai_endpoints_answer_400_over_a_limit_and_429_over_the_client_limit(api, engine):
     state, http = api
     few, max_tokens, many = _fewest_and_most_tokens(engine.tokenizer)
     state.limits = Limits(max_request_bytes=2000, max_prompt_bytes=100, max_n=2)
     state.replica.state.cfg.limits = Limits(max_prompt_tokens=max_tokens)  # text prompts are counted by the replica
     body = {"model": "tiny", "max_tokens": 2, **GREEDY}
-    for extra, mentions in (({"prompt": "x" * 101}, "101 bytes"), ({"prompt": "x", "n": 3, "temperature": 1}, "n: 3"),
-                            ({"prompt": "x", "stop": ["s" * 150] * 16}, "bytes of JSON"),
-                            ({"prompt": many}, "tokens")):
+    for extra, mentions, status in (({"prompt": "x" * 101}, "101 bytes", 400),
+                                    ({"prompt": "x", "n": 3, "temperature": 1}, "n: 3", 400),
+                                    ({"prompt": "x", "stop": ["s" * 150] * 16}, "bytes of JSON", 413),  # HTTP body
+                                    ({"prompt": many}, "tokens", 400)):
         r = http.post("/v1/completions", json={**body, **extra})
-        assert r.status_code == 413, r.text
+        assert r.status_code == status, r.text
         assert r.json()["error"]["code"] == "limit_exceeded" and mentions in r.json()["error"]["message"]
     state.client.max_per_client = 1
     with http.stream("POST", "/v1/completions", json={**body, "prompt": "hold", "max_tokens": 1500,
@@ -117,6 +118,7 @@ def test_openai_endpoints_answer_413_over_a_limit_and_429_over_the_client_limit(
         next(line for line in held.iter_lines() if line.startswith("data: "))
         r = http.post("/v1/completions", json={**body, "prompt": "x"})
         assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_requests", r.text
+        assert r.headers["retry-after"] == "1"
 
     def admitted():  # closing the stream cancelled the held request, whose finish frees the client's slot
         r = http.post("/v1/completions", json={**body, "prompt": "x"})

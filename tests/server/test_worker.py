@@ -220,7 +220,7 @@ def test_entries_left_by_a_dead_consumer_are_claimed_and_run(make_worker, redis_
         c = _client(redis_server, keys)
         sub = await c.submit(GenerationRequest(prompt="orphan", params=SamplingOptions(max_tokens=5, **GREEDY)))
         gone = await c.submit(GenerationRequest(prompt="deleted", params=SamplingOptions(max_tokens=5, **GREEDY)))
-        await gone.pubsub.aclose()
+        await gone.close()
         sync_redis.xreadgroup(keys.group, "ghost", {keys.stream: ">"}, count=10)  # a consumer that then died
         sync_redis.xdel(keys.stream, gone.entry_id)  # and an entry removed behind the group's back
         make_worker(claim_idle_s=0.5)

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, disable_created_metrics, generate_latest
 from pydantic import ValidationError
 from redis.exceptions import RedisError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine_service.server.api.body_limit import BodyLimit
 from engine_service.server.api.openai import client_id, serve
@@ -43,7 +44,13 @@ def create_app(state: ServiceState) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(error_body(e.message, e.type, e.code), status_code=e.status)
+        return JSONResponse(error_body(e.message, e.type, e.code), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(StarletteHTTPException)  # FastAPI's own 404 / 405 ...: OpenAI-shaped too
+    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        type_ = {401: "authentication_error", 404: "not_found_error"}.get(e.status_code, "invalid_request_error")
+        return JSONResponse(error_body(str(e.detail), type_, None), status_code=e.status_code,
+                            headers=getattr(e, "headers", None))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:

@@ -18,8 +18,13 @@ from shared.openai_schema import (chat_chunk, chat_logprobs, chat_response, comp
                                   completion_response, error_body)
 from shared.protocol import DoneEvent, ErrorEvent, GenerationRequest, TokenEvent
 
-STATUS_BY_CODE = {"invalid_request": 400, "unsupported_version": 400, "limit_exceeded": 413, "queue_full": 429,
+# A request over a limit is a 400, as OpenAI and vLLM answer (413 is kept for HTTP bodies over the byte limit,
+# refused before they are read: api/body_limit.py).
+STATUS_BY_CODE = {"invalid_request": 400, "unsupported_version": 400, "limit_exceeded": 400, "queue_full": 429,
                   "deadline_exceeded": 504, "timeout": 504, "unavailable": 503, "lost": 503, "engine_error": 500}
+
+
+RETRY_AFTER_S = 1  # a full queue drains at the engine's pace; clients back off from here (the openai client does)
 
 
 def client_id(http: Request) -> str:
@@ -32,7 +37,7 @@ def check(state: ServiceState, body, request: GenerationRequest) -> None:
         raise APIError(404, f"model {body.model!r} does not exist; this service serves {state.model_name!r}",
                        code="model_not_found")
     if (why := state.limits.check(request)):
-        raise APIError(413, why, code="limit_exceeded")
+        raise APIError(400, why, code="limit_exceeded")
     try:  # the engine's own rules (mode/n/beam combinations, ...) before anything is queued
         SamplingParams(**request.params.model_dump())
     except ValueError as e:
@@ -46,7 +51,7 @@ async def serve(state: ServiceState, http: Request, body, request: GenerationReq
     try:
         sub = await client.submit(request)
     except QueueFull as e:  # or ClientBusy: this client has too many requests queued or running
-        raise APIError(429, str(e), "rate_limit_error", e.code) from None
+        raise APIError(429, str(e), "rate_limit_error", e.code, headers={"Retry-After": str(RETRY_AFTER_S)}) from None
     except (RedisError, OSError) as e:
         raise APIError(503, f"Redis unavailable: {e}", "service_unavailable") from None
     rid, model = request.request_id, body.model

@@ -12,9 +12,11 @@ from shared.limits import Limits
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.code = status, message, type_, code
+        self.headers = headers
 
 
 @dataclass
