@@ -3,6 +3,8 @@ import argparse
 import json
 import sys
 
+from engine_service.engine.flags import add_engine_args, engine_config_from_args
+
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", default=None, choices=["greedy", "sample", "beam", "speculative"])
@@ -44,37 +46,6 @@ def sampling_params_from_args(args):
                           early_stopping=early_stopping, proposer=args.proposer,
                           num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min,
                           ngram_max=args.ngram_max)
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m", help="registry name, HF model directory or .gguf path")
-    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
-                   help="default: float32 on CPU, bfloat16 on CUDA")
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
-    p.add_argument("--kv-cache-memory", type=float, default=0.25, help="bytes, or a fraction (<= 1) of free memory")
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens (default: the model's)")
-    p.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
-    p.add_argument("--draft-model", default=None)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--threads", type=int, default=None)
-
-
-def engine_config_from_args(args):
-    from engine_service.engine.config import EngineConfig
-
-    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
-                        kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
-                        block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens,
-                        attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-                        draft_model=args.draft_model,
-                        enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads,
-                        max_model_len=getattr(args, "max_model_len", None))
 
 
 def read_prompts(args) -> list:
@@ -152,7 +123,7 @@ def _add_service_parsers(sub) -> None:
     """The Redis service commands live in their own modules; they register here when present."""
     import importlib
 
-    for module in ("engine_service.server.worker", "engine_service.server.play", "web.cli"):
+    for module in ("engine_service.server.engine_cmd", "engine_service.server.play", "web.cli"):
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as e:

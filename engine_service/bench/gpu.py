@@ -22,6 +22,7 @@ from engine_service.bench.gpu_plot import plot, summary
 from engine_service.bench.random_models import save_random_model
 from engine_service.bench.throughput import run_engine, single_stream
 from engine_service.engine.sampling_params import SamplingParams
+from engine_service.engine.utils import cdiv
 
 GOAL = 1.5  # single-stream decode step within 1.5x of the bandwidth bound
 ASSUMED_RATES = (0.5, 0.6, 0.7, 0.8, 0.9)  # used only when no --acceptance-rate is given, and labelled so
@@ -73,7 +74,7 @@ def synthetic_step(runner, q_len: int, context: int):
     """One sequence's forward inputs: q_len new tokens ending at position context - 1, over blocks 0, 1, ...
     Slots are -1, so nothing is written to the cache (the values read do not change the time)."""
     dev = runner.device
-    blocks = -(-context // runner.config.block_size)
+    blocks = cdiv(context, runner.config.block_size)
     assert blocks <= runner.num_blocks, "KV pool too small for --context"
     table = torch.arange(blocks, dtype=torch.int32, device=dev)[None]
     ctx = torch.tensor([context], dtype=torch.int32, device=dev)
@@ -172,7 +173,7 @@ def engine_sections(config, target_dir, draft_dir, args, context: int, bandwidth
 
 
 def run(args) -> int:
-    from engine_service.cli import engine_config_from_args
+    from engine_service.engine.flags import engine_config_from_args
 
     device = pick_device(args)
     from engine_service.bench import gpu_kernels as gk

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 import kernels
+from engine_service.engine.utils import cdiv
 
 PEAK_GBS = [  # spec HBM bandwidth by device-name substring, first match wins
     ("H200", 4800), ("H100 NVL", 3900), ("H100 PCIe", 2000), ("H100", 3350), ("A100-SXM4-80GB", 2039),
@@ -22,7 +23,7 @@ TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
 
 def paged_cache(lens, page, hkv, d, dtype, device, spare=4):
-    need = [-(-n // page) for n in lens]
+    need = [cdiv(n, page) for n in lens]
     nb = sum(need) + spare
     k = torch.randn(nb, page, hkv, d, device=device).to(dtype)
     v = torch.randn(nb, page, hkv, d, device=device).to(dtype)

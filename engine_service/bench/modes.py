@@ -13,6 +13,7 @@ import torch
 
 from engine_service.bench.common import write_results
 from engine_service.engine.sampling_params import SamplingParams
+from engine_service.engine.utils import cdiv
 
 QUESTIONS = [
     "Repeat exactly: the quick brown fox jumps over the lazy dog near the river bank.",
@@ -68,7 +69,7 @@ def run_mode(engine, prompts: list[str], params: SamplingParams) -> dict:
         peaks.append(peak)
         longest = max(len(o.token_ids) for o in final.outputs)
         copies = params.beam_width if params.mode == "beam" else params.n
-        independent.append(copies * -(-(len(final.prompt_token_ids) + longest) // bs))
+        independent.append(copies * cdiv(len(final.prompt_token_ids) + longest, bs))
         spec.append(final.metrics.spec)
     res = {"tok_per_s": tokens / seconds, "seconds": seconds, "generated_tokens": tokens,
            "peak_kv_blocks_mean": sum(peaks) / len(peaks), "cow_copies": bm.stats.cow_copies - cow0}
@@ -124,7 +125,7 @@ def run_pair(args) -> dict:
 
 
 def run(args) -> int:
-    from engine_service.cli import engine_config_from_args
+    from engine_service.engine.flags import engine_config_from_args
     from engine_service.engine.llm import LLM
 
     args.no_prefix_caching = True

@@ -7,6 +7,7 @@ import time
 import torch
 
 from engine_service.bench.common import matmul_peak_gflops, median, mixed_workload, write_results
+from engine_service.engine.models.loader import head_dim as hf_head_dim
 from engine_service.engine.sampling_params import SamplingParams
 
 
@@ -104,7 +105,7 @@ def batched_decode(llm, batch: int, context: int, steps: int = 8) -> dict:
     while engine.has_unfinished():
         engine.step()
     cfg, model = engine.runner.hf_config, engine.runner.model
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    head_dim = hf_head_dim(cfg)
     attn = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * (context + steps // 2)
     flops = batch * (matmul_flops_per_token(model) + attn)
     step = median(times)
@@ -113,7 +114,7 @@ def batched_decode(llm, batch: int, context: int, steps: int = 8) -> dict:
 
 
 def run(args) -> int:
-    from engine_service.cli import engine_config_from_args
+    from engine_service.engine.flags import engine_config_from_args
     from engine_service.engine.llm import LLM
 
     llm = LLM(config=engine_config_from_args(args))

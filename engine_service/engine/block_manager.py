@@ -8,6 +8,8 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from engine_service.engine.utils import cdiv
+
 
 @dataclass
 class Block:
@@ -35,7 +37,10 @@ def chain_hash(parent: bytes | None, token_ids: tuple[int, ...]) -> bytes:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
-        assert num_blocks > 0 and block_size > 0
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks: must be >= 1, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size: must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -57,7 +62,7 @@ class BlockManager:
 
     def blocks_needed(self, seq, num_new_tokens: int) -> int:
         """Free blocks that `allocate(seq, num_new_tokens)` would take (new blocks + a COW copy)."""
-        total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        total = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size)
         need = max(0, total - len(seq.block_table))
         if self._shared_write_index(seq, num_new_tokens) is not None:
             need += 1
@@ -173,7 +178,7 @@ class BlockManager:
             block = self.blocks[seq.block_table[idx]]
             if block.hash is not None:  # a cached block rolled back by truncate: it is about to change
                 self._uncache(block)
-        total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        total = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size)
         while len(seq.block_table) < total:
             seq.block_table.append(self._take_free_block())
         return copies
@@ -211,7 +216,7 @@ class BlockManager:
         it: `allocate` copies it if shared, else uncaches it first.
         """
         assert num_tokens <= seq.num_computed_tokens
-        keep = -(-num_tokens // self.block_size)
+        keep = cdiv(num_tokens, self.block_size)
         while len(seq.block_table) > keep:
             self._decref(seq.block_table.pop())
         del seq.block_hashes[num_tokens // self.block_size:]

@@ -37,7 +37,16 @@ class EngineConfig:
             raise ValueError(f"attention_backend: expected 'torch' or 'triton', got {self.attention_backend!r}")
         if self.dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"dtype: expected float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise ValueError(f"device: expected cpu, cuda, cuda:N or auto, got {self.device!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size: must be a power of two, got {self.block_size}")
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory: must be bytes (> 1) or a fraction (<= 1) of free memory, "
+                             f"got {self.kv_cache_memory}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_beam_width"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("num_kv_blocks", "max_model_len", "num_threads"):  # None: the default
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1 (or unset), got {getattr(self, name)}")

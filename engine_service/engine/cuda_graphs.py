@@ -14,6 +14,7 @@ are used only with attention_backend="triton".
 import torch
 
 from engine_service.engine.attention import AttentionMetadata
+from engine_service.engine.utils import cdiv
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -93,10 +94,10 @@ class DecodeGraphs:
 
 def decode_graphs_for(runner) -> DecodeGraphs | None:
     """Captured graphs for the runner's model on CUDA with the Triton backend, unless enforce_eager."""
-    config, hf = runner.config, runner.hf_config
+    config = runner.config
     if runner.device.type != "cuda" or config.enforce_eager or config.attention_backend != "triton":
         return None
-    max_len = min(config.max_model_len or hf.max_position_embeddings, hf.max_position_embeddings)
-    graphs = DecodeGraphs(runner.model, config.max_num_seqs, -(-max_len // config.block_size), runner.device)
+    graphs = DecodeGraphs(runner.model, config.max_num_seqs, cdiv(runner.max_model_len, config.block_size),
+                          runner.device)
     graphs.capture()
     return graphs

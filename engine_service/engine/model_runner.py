@@ -8,10 +8,11 @@ from engine_service.engine.attention import AttentionMetadata
 from engine_service.engine.config import EngineConfig
 from engine_service.engine.cuda_graphs import decode_graphs_for
 from engine_service.engine.models.llama import CausalLM
-from engine_service.engine.models.loader import load_config, load_weights
+from engine_service.engine.models.loader import head_dim, load_config, load_weights, max_model_len
 from engine_service.engine.models.packed_linear import packing_enabled
 from engine_service.engine.scheduler import ScheduledBatch
 from engine_service.engine.sequence import Sequence
+from engine_service.engine.utils import cdiv
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -30,6 +31,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
         self.hf_config = load_config(model_dir)
+        self.max_model_len = max_model_len(self.hf_config, config.max_model_len)
         torch.manual_seed(config.seed)
         with torch.device("meta"):
             model = CausalLM(self.hf_config, config.attention_backend)
@@ -46,9 +48,8 @@ class ModelRunner:
     # ---- KV pool
     def kv_bytes_per_block(self) -> int:
         c = self.hf_config
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * c.num_hidden_layers * self.config.block_size * c.num_key_value_heads * head_dim * elem
+        return 2 * c.num_hidden_layers * self.config.block_size * c.num_key_value_heads * head_dim(c) * elem
 
     def _blocks_from_budget(self) -> int:
         budget = self.config.kv_cache_memory
@@ -57,17 +58,14 @@ class ModelRunner:
                     else available_memory_bytes())
             budget = budget * free
         # more blocks than every seat filled to the model's context can never be used
-        max_len = min(self.config.max_model_len or self.hf_config.max_position_embeddings,
-                      self.hf_config.max_position_embeddings)
-        ceiling = self.config.max_num_seqs * -(-max_len // self.config.block_size)
+        ceiling = self.config.max_num_seqs * cdiv(self.max_model_len, self.config.block_size)
         return max(1, min(ceiling, int(budget // self.kv_bytes_per_block())))
 
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         c = self.hf_config
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         # zeros, not empty: masked-out slots are multiplied by 0 and must not hold NaN
         kv = torch.zeros(c.num_hidden_layers, 2, num_blocks, self.config.block_size, c.num_key_value_heads,
-                         head_dim, dtype=self.dtype, device=self.device)
+                         head_dim(c), dtype=self.dtype, device=self.device)
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.k_cache, layer.self_attn.v_cache = kv[i, 0], kv[i, 1]
         return kv

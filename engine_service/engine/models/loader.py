@@ -107,6 +107,18 @@ def load_config(model_dir: str | Path):
     return AutoConfig.from_pretrained(str(model_dir))
 
 
+def head_dim(hf_config) -> int:
+    """Width of one attention head: the config's head_dim where it sets one (it may differ from
+    hidden_size / heads), else hidden_size / heads."""
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def max_model_len(hf_config, requested: int | None) -> int:
+    """The longest sequence (prompt + output) the engine runs: `requested` (EngineConfig.max_model_len),
+    capped at the positions the model has RoPE tables for; the model's context when None."""
+    return min(requested or hf_config.max_position_embeddings, hf_config.max_position_embeddings)
+
+
 def load_tokenizer(model_dir: str | Path):
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(str(model_dir))

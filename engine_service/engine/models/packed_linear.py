@@ -15,12 +15,22 @@ of them: with the row count of every step different, a replica's memory grew ~30
 minutes (`decodelab bench soak`). So row counts are bucketed: 1-8 exact (decode, speculative
 verification), then padded up to a multiple of 8 (to 64) or 16 (to 256), and longer inputs run in
 chunks of 256 rows. That bounds the primitives at 27 per weight shape (~135 for a Llama, ~120 MB).
+
+oneDNN's bf16 linears need avx512bw+vl+dq or avx_ne_convert (x86). On a CPU without them (AVX2 only,
+e.g. AMD Zen 3) bf16 weights are packed as fp32 and the input is cast up and the output back: the
+same math (bf16 products are exact in fp32, and oneDNN's bf16 path accumulates in fp32 too), 5-8x
+faster than PyTorch's dense bf16 matmul there for 16-128 rows and 1.4x for one (Zen 3, 1 thread,
+a 2048x576 weight), at the cost of fp32 weight memory. `DECODELAB_CPU_ISA=avx2` forces that
+fallback on any CPU (tests use it).
 """
+import functools
 import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine_service.engine.utils import cdiv
 
 _PACKABLE = (torch.float32, torch.bfloat16)  # fp16 packing needs AVX512-FP16 / AVX-NE-CONVERT
 
@@ -30,9 +40,36 @@ def packing_enabled(device: torch.device, dtype: torch.dtype) -> bool:
             and os.environ.get("DECODELAB_CPU_LINEAR", "onednn") != "dense")
 
 
+_ISAS = ("avx2", "avx512")  # DECODELAB_CPU_ISA values; unset or empty: what the CPU has
+
+
+def bf16_packing_unavailable() -> str | None:
+    """None if oneDNN can run bf16 linears on this CPU, else why not (the instructions it lacks)."""
+    isa = os.environ.get("DECODELAB_CPU_ISA", "").lower()
+    if isa and isa not in _ISAS:
+        raise ValueError(f"DECODELAB_CPU_ISA: expected one of {', '.join(_ISAS)}, got {isa!r}")
+    if isa == "avx2":
+        return "DECODELAB_CPU_ISA=avx2: treated as lacking avx512bw, avx512vl, avx512dq and avx_ne_convert"
+    return _onednn_bf16_error()  # avx512 cannot add instructions the CPU lacks
+
+
+@functools.cache
+def _onednn_bf16_error() -> str | None:
+    # oneDNN's own check, whatever the CPU family or build; its message names the instructions
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 1)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[out, in] dense -> oneDNN blocked layout (an opaque mkldnn tensor), tuned for small batches."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
+    """[out, in] dense -> oneDNN blocked layout (an opaque mkldnn tensor), tuned for small batches.
+    bf16 weights pack as fp32 where the CPU has no bf16 path (see the module docstring)."""
+    weight = weight.detach().contiguous()
+    if weight.dtype == torch.bfloat16 and bf16_packing_unavailable() is not None:
+        weight = weight.float()
+    return torch.ops.mkldnn._reorder_linear_weight(weight, 1)
 
 
 _CHUNK = 256
@@ -43,10 +80,13 @@ def bucket_rows(n: int) -> int:
     if n <= 8:
         return n
     step = 8 if n <= 64 else 16
-    return -(-n // step) * step
+    return cdiv(n, step) * step
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if x.dtype != packed.dtype:  # bf16 model, weight packed as fp32
+        bias = None if bias is None else bias.to(packed.dtype)
+        return packed_linear(x.to(packed.dtype), packed, bias).to(x.dtype)
     n = x.shape[0]
     if n > _CHUNK:
         return torch.cat([packed_linear(part, packed, bias) for part in x.split(_CHUNK)])

@@ -1,0 +1,26 @@
+"""EngineConfig refuses values a user can get wrong with `field: why` (exceptions, not asserts: they survive -O)."""
+import pytest
+
+from engine_service.engine.block_manager import BlockManager
+from engine_service.engine.config import EngineConfig
+
+
+@pytest.mark.parametrize("field,value", [
+    ("dtype", "int8"), ("device", "tpu"), ("attention_backend", "flash"), ("block_size", 12), ("block_size", 0),
+    ("kv_cache_memory", 0), ("num_kv_blocks", 0), ("num_kv_blocks", -3), ("max_num_seqs", 0),
+    ("max_num_batched_tokens", 0), ("max_model_len", 0), ("max_beam_width", 0), ("num_threads", 0),
+])
+def test_bad_values_raise_value_error_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"^{field}: "):
+        EngineConfig(**{"device": "cpu", field: value})
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda", "cuda:1"])
+def test_device_names_are_accepted(device):
+    assert EngineConfig(device=device).device == device
+
+
+@pytest.mark.parametrize("num_blocks,block_size", [(0, 16), (8, 0)])
+def test_block_manager_refuses_an_empty_pool(num_blocks, block_size):
+    with pytest.raises(ValueError, match="^(num_blocks|block_size): "):
+        BlockManager(num_blocks, block_size)
