@@ -3,7 +3,10 @@ import argparse
 import json
 import sys
 
+from engine_service.bench import gpu, modes, playground, serve, soak, throughput
 from engine_service.engine.flags import add_engine_args, engine_config_from_args
+from engine_service.server import engine_cmd, play
+from web import cli as web_cli
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -92,7 +95,8 @@ def cmd_generate(args) -> int:
         else:
             for o in out.outputs:
                 label = f"[{o.index}] " if len(out.outputs) > 1 else ""
-                beam = f"  cumulative_logprob={o.cumulative_logprob:.4f} score={o.score:.4f}" if o.score is not None else ""
+                beam = ("" if o.score is None
+                        else f"  cumulative_logprob={o.cumulative_logprob:.4f} score={o.score:.4f}")
                 print(f"{label}{out.prompt if out.prompt is not None else out.prompt_token_ids!r}"
                       f"\033[1m{o.text}\033[0m  ({o.finish_reason}){beam}", flush=True)
             if out.metrics.spec is not None:
@@ -112,26 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt, in input order")
     g.set_defaults(func=cmd_generate)
-    from engine_service.bench import add_bench_parser
-
-    add_bench_parser(sub, add_engine_args)
-    _add_service_parsers(sub)
+    bench = sub.add_parser("bench", help="benchmarks (JSON + PNG plots under benchmarks/results)")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    for module in (throughput, modes, playground, serve, soak, gpu):
+        module.add_parser(bench_sub, add_engine_args)
+    for module in (engine_cmd, play, web_cli):  # the service: one replica, the whole stack, the web UI
+        module.add_parser(sub, add_engine_args)
     return parser
-
-
-def _add_service_parsers(sub) -> None:
-    """The Redis service commands live in their own modules; they register here when present."""
-    import importlib
-
-    for module in ("engine_service.server.engine_cmd", "engine_service.server.play", "web.cli"):
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if e.name == module:
-                continue
-            raise
-        if hasattr(mod, "add_parser"):
-            mod.add_parser(sub, add_engine_args)
 
 
 def main(argv: list[str] | None = None) -> int:

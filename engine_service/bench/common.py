@@ -87,3 +87,30 @@ def median(xs: list[float]) -> float:
     xs = sorted(xs)
     n = len(xs)
     return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
+
+def cpu_info() -> dict:
+    """The CPU a figure came from: model name, cores, and the vector ISA the kernels can use (AVX-512 or AVX2)."""
+    import os
+    import platform
+
+    model, flags, ids = platform.processor() or platform.machine(), set(), {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and model in ("", platform.machine(), platform.processor()):
+                    model = value.strip()
+                elif key in ("cpu family", "model") and key not in ids:
+                    ids[key] = value.strip()  # a hypervisor may mask the name ("AMD EPYC"); these still tell
+                elif key == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    isa = ("avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "other") if flags else "unknown"
+    extras = sorted(f for f in flags if f in ("avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16"))
+    return {"model": model, "family": ids.get("cpu family"), "model_id": ids.get("model"), "cores": os.cpu_count(),
+            "isa": isa, "isa_extras": extras,
+            "label": f"{model} ({os.cpu_count()} cores, {isa.upper()}{', ' + ', '.join(extras) if extras else ''})"}

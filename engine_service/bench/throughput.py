@@ -83,8 +83,8 @@ def linear_paths(model, rows=(1, 2, 8, 128, 512), repeats: int = 5) -> dict:
                 fn()
                 times.append(time.perf_counter() - t)
             return median(times) * 1e3
-        a = timed(lambda: [torch.nn.functional.linear(x, w) for x, w in zip(xs, dense)])
-        b = timed(lambda: [packed_linear(x, w, None) for x, w in zip(xs, packed)])
+        a = timed(lambda: [torch.nn.functional.linear(x, w) for x, w in zip(xs, dense)])  # noqa: B023 (called here)
+        b = timed(lambda: [packed_linear(x, w, None) for x, w in zip(xs, packed)])  # noqa: B023
         out[str(n)] = {"f_linear_ms": a, "packed_ms": b, "ratio": a / b}
     return out
 
@@ -178,7 +178,8 @@ def plot(res: dict, path) -> None:
     for i, v in enumerate(vals):
         a.text(i, v, f"{v:.0f}", ha="center", va="bottom")
     waste = [res["ours"]["kv_waste_paged"], res["ours"]["kv_waste_contiguous_request_max"]]
-    b.bar(["paged (ours)", "contiguous\n(prompt + max_tokens)"], [100 * w for w in waste], color=["tab:green", "tab:gray"])
+    b.bar(["paged (ours)", "contiguous\n(prompt + max_tokens)"], [100 * w for w in waste],
+          color=["tab:green", "tab:gray"])
     b.set_ylabel("KV slots allocated but unused (%)")
     b.set_title("KV waste, time-averaged")
     goals = [("single stream\n(tok/s, goal 25)", res.get("single_stream", {}).get("tok_per_s"), 25),

@@ -1,0 +1,251 @@
+"""`decodelab bench playground`: the four-mode example as a person meets it, three ways.
+
+1. browser: the stack `decodelab play` starts (private Redis, one replica, the web UI), a headless Chromium on the
+   page; the example prompt, the four columns at their defaults, Run. Per column, what the page shows: time from
+   the click to the column's first token on screen (TTFT), then to the column's end, per token after the first
+   (TPOT); the run's wall time, click to the last column done.
+2. api: the same four requests (web/modes.py builds them) through the replica's OpenAI API, concurrently, streaming,
+   no browser: TTFT and TPOT per request as the HTTP client sees them.
+3. in-process: the same four requests in one LLMEngine, timed around engine.step() as the API path is timed.
+The API streams a beam request's outputs once final (an append-only stream cannot show beams overtaking each
+other), so there its TTFT is the whole run and it has no TPOT.
+Medians over --repeats runs of each. Writes benchmarks/results/playground.json and playground.png.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+
+from engine_service.bench.common import cpu_info, median, write_results
+
+PROMPT = "Why is the sky blue?"
+MODES = ("greedy", "beam", "sample", "speculative")
+CHROMIUM = "/usr/bin/chromium"
+FINAL = ("done", "error", "cancelled", "invalid")
+
+# Timestamps the page itself records (performance.now(), ms): a column's first token on screen and its end.
+WATCH_JS = """([modes, final]) => {
+  const t = {t0: performance.now(), first: {}, done: {}, tokens: {}, status: {}};
+  window.__dl = t;
+  const look = () => {
+    for (const m of modes) {
+      const col = document.querySelector('#out-' + m + ' .dl-col');
+      if (!col) continue;
+      const n = col.querySelectorAll('.tk').length;
+      if (n > 0 && !(m in t.first)) t.first[m] = performance.now();
+      if (final.includes(col.dataset.status) && !(m in t.done) && (m in t.first || col.dataset.status !== 'done')) {
+        t.done[m] = performance.now(); t.tokens[m] = n; t.status[m] = col.dataset.status;
+      }
+    }
+  };
+  new MutationObserver(look).observe(document.body, {subtree: true, childList: true, attributes: true,
+                                                     characterData: true});
+}"""
+
+
+def add_parser(bench_sub, add_engine_args) -> None:
+    p = bench_sub.add_parser("playground", help="the four-mode playground run: browser, OpenAI API, in-process")
+    add_engine_args(p)
+    p.add_argument("--prompt", default=PROMPT)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--paths", default="browser,api,inprocess", help="which of browser, api, inprocess to run")
+    p.add_argument("--engine-port", type=int, default=8011)
+    p.add_argument("--web-port", type=int, default=7871)
+    p.add_argument("--out", default="benchmarks/results")
+    p.set_defaults(func=run)
+
+
+def _requests(args) -> dict:
+    from web.modes import Settings, build_request
+
+    settings = Settings(prompt=args.prompt, max_tokens=args.max_tokens)
+    return {m: build_request(m, settings) for m in MODES}
+
+
+def _summary(runs: list[dict]) -> dict:
+    """Per mode: median TTFT / TPOT (ms) and tokens over the runs; the run's median wall time."""
+    out = {"wall_s": median([r["wall_s"] for r in runs]), "runs": runs, "modes": {}}
+    for m in MODES:
+        got = [r["modes"][m] for r in runs if m in r["modes"]]
+        out["modes"][m] = {k: median([g[k] for g in got if g.get(k) is not None] or [float("nan")])
+                           for k in ("ttft_ms", "tpot_ms", "tokens")}
+    return out
+
+
+# ---- 1. the browser on the page, against the stack `play` starts
+def _stack(args):
+    from engine_service.engine.flags import engine_argv
+    from engine_service.server.play import Stack, wait_ready
+    from engine_service.server.redis_server import RedisServer
+
+    stack = Stack()
+    stack.redis = RedisServer().start()
+    env = dict(os.environ, REDIS_URL=stack.redis.url)
+    engine_url, web_url = f"http://127.0.0.1:{args.engine_port}", f"http://127.0.0.1:{args.web_port}"
+    stack.spawn("engine", [sys.executable, "-m", "engine_service.cli", "engine", *engine_argv(args),
+                           "--port", str(args.engine_port), "--served-model-name", "playground"], env)
+    stack.spawn("web", [sys.executable, "-m", "engine_service.cli", "web", "--port", str(args.web_port)], env)
+    import threading
+
+    never = threading.Event()
+    wait_ready(f"{engine_url}/ready", stack, 600, never)
+    wait_ready(web_url, stack, 600, never)
+    return stack, engine_url, web_url
+
+
+def _browser_runs(args, web_url: str) -> list[dict]:
+    from playwright.sync_api import sync_playwright
+
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="decodelab-bench-chromium-") as profile, sync_playwright() as pw:
+        ctx = pw.chromium.launch_persistent_context(
+            profile, executable_path=CHROMIUM, headless=True, viewport={"width": 1600, "height": 1000},
+            args=["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking"])
+        page = ctx.new_page()
+        page.goto(web_url)
+        page.wait_for_selector("#run")
+        page.locator("#prompt textarea").fill(args.prompt)
+        box = page.locator("#max-tokens input[type=number]")
+        box.fill(str(args.max_tokens))
+        box.press("Tab")
+        for i in range(args.repeats + 1):  # the first run warms the replica up and is not counted
+            page.evaluate(WATCH_JS, [list(MODES), list(FINAL)])
+            page.locator("#run").click()
+            page.wait_for_function("(modes) => modes.every(m => m in window.__dl.done)", arg=list(MODES),
+                                   timeout=600_000)
+            t = page.evaluate("window.__dl")
+            if i == 0:
+                continue
+            modes = {}
+            for m in MODES:
+                first, done, n = t["first"].get(m), t["done"][m], t["tokens"][m]
+                modes[m] = {"status": t["status"][m], "tokens": n,
+                            "ttft_ms": first - t["t0"] if first is not None else None,
+                            "tpot_ms": (done - first) / (n - 1) if first is not None and n > 1 else None}
+            runs.append({"wall_s": (max(t["done"].values()) - t["t0"]) / 1e3, "modes": modes})
+            print(f"browser run {i}: wall {runs[-1]['wall_s']:.2f} s  " + "  ".join(
+                f"{m} tpot {modes[m]['tpot_ms'] or float('nan'):.0f} ms" for m in MODES), flush=True)
+        ctx.close()
+    return runs
+
+
+# ---- 2. the OpenAI API, no browser
+async def _api_once(engine_url: str, requests: dict) -> dict:
+    import httpx
+
+    async def one(mode: str, req) -> dict:
+        p = req.params
+        body = {"model": "playground", "messages": [m.model_dump() for m in req.messages], "stream": True,
+                "logprobs": True, "top_logprobs": p.logprobs, **p.model_dump(exclude={"logprobs", "stop"})}
+        t0, first, last, tokens = time.perf_counter(), None, None, 0
+        async with httpx.AsyncClient(timeout=600) as http, http.stream(
+                "POST", f"{engine_url}/v1/chat/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                for choice in json.loads(line[6:]).get("choices", []):
+                    if choice["index"] != 0:
+                        continue
+                    n = len((choice.get("logprobs") or {}).get("content") or [])
+                    if n:
+                        now = time.perf_counter()
+                        first, last, tokens = first or now, now, tokens + n
+        return {"tokens": tokens, "ttft_ms": (first - t0) * 1e3 if first else None,
+                "tpot_ms": (last - first) * 1e3 / (tokens - 1) if first and tokens > 1 else None}
+
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(one(m, r) for m, r in requests.items()))
+    return {"wall_s": time.perf_counter() - t0, "modes": dict(zip(requests, results))}
+
+
+# ---- 3. in-process
+def _inprocess_runs(args, requests: dict) -> list[dict]:
+    from engine_service.engine.flags import engine_config_from_args
+    from engine_service.engine.llm_engine import LLMEngine
+    from engine_service.engine.sampling_params import SamplingParams
+
+    engine = LLMEngine(engine_config_from_args(args))
+    prompt = engine.tokenizer.apply_chat_template([m.model_dump() for m in requests["greedy"].messages],
+                                                  tokenize=False, add_generation_prompt=True)
+    runs = []
+    for i in range(args.repeats + 1):
+        t0 = time.perf_counter()
+        for m, req in requests.items():
+            engine.add_request(f"{m}-{i}", prompt, SamplingParams(**req.params.model_dump()))
+        first: dict[str, float] = {}
+        done: dict[str, tuple[float, int]] = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                mode, now = out.request_id.split("-")[0], time.perf_counter()
+                tokens = len(out.outputs[0].token_ids) if out.outputs else 0
+                if tokens and mode not in first:
+                    first[mode] = now
+                if out.finished:
+                    done[mode] = (now, tokens)
+        if i == 0:
+            continue
+        modes = {m: {"tokens": n, "ttft_ms": (first[m] - t0) * 1e3,
+                     "tpot_ms": (end - first[m]) * 1e3 / (n - 1) if n > 1 else None}
+                 for m, (end, n) in done.items()}
+        runs.append({"wall_s": time.perf_counter() - t0, "modes": modes})
+    return runs
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    requests = _requests(args)
+    paths = args.paths.split(",")
+    results = {"benchmark": "playground", "model": args.model, "prompt": args.prompt, "max_tokens": args.max_tokens,
+               "repeats": args.repeats, "cpu": cpu_info(), "threads": args.threads or torch.get_num_threads(),
+               "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(default)"),
+               "quantization": getattr(args, "quantization", None), "paths": {}}
+    if "browser" in paths or "api" in paths:
+        stack, engine_url, web_url = _stack(args)
+        try:
+            if "browser" in paths:
+                results["paths"]["browser"] = _summary(_browser_runs(args, web_url))
+            if "api" in paths:
+                runs = [asyncio.run(_api_once(engine_url, requests)) for _ in range(args.repeats + 1)][1:]
+                results["paths"]["api"] = _summary(runs)
+        finally:
+            stack.stop()
+    if "inprocess" in paths:
+        results["paths"]["inprocess"] = _summary(_inprocess_runs(args, requests))
+    path = write_results("playground", results, args.out)
+    _plot(results, path.with_suffix(".png"))
+    for name, res in results["paths"].items():
+        print(f"{name:>10}: wall {res['wall_s']:.2f} s  " + "  ".join(
+            f"{m} TTFT {v['ttft_ms']:.0f} / TPOT {v['tpot_ms']:.0f} ms" for m, v in res["modes"].items()))
+    print(f"wrote {path} ({results['cpu']['label']})")
+    return 0
+
+
+def _plot(results: dict, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = list(results["paths"])
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw={"width_ratios": [3, 1]})
+    width = 0.8 / max(1, len(paths))
+    for i, name in enumerate(paths):
+        vals = [results["paths"][name]["modes"][m]["tpot_ms"] for m in MODES]
+        ax.bar([x + i * width for x in range(len(MODES))], vals, width, label=name)
+    ax.axhline(50, color="k", ls="--", lw=0.8, label="goal 50 ms")
+    ax.set_xticks([x + width * (len(paths) - 1) / 2 for x in range(len(MODES))], MODES)
+    ax.set_ylabel("TPOT, median (ms)")
+    ax.legend()
+    ax2.bar(paths, [results["paths"][n]["wall_s"] for n in paths], color="tab:gray")
+    ax2.axhline(5, color="k", ls="--", lw=0.8)
+    ax2.set_ylabel(f"{results['max_tokens']}-token run, wall (s)")
+    fig.suptitle(f"playground four-mode run, {results['model']}, {results['cpu']['label']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
