@@ -20,6 +20,8 @@ ErrorCode = Literal[
     "lost",                 # Redis lost the request (e.g. restarted without persistence)
     "timeout",              # the client gave up waiting
     "unavailable",          # Redis unreachable
+    "too_many_attempts",    # replicas died running it max_attempts times: moved to the dead-letter stream
+    "failover_diverged",    # re-run after a replica died, the new run's text differs from what was streamed
 ]
 
 
@@ -35,6 +37,7 @@ class SamplingExtras(_Model):
     repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
     stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False  # keep the matched stop string / stop token's text in the output
     min_tokens: int = Field(0, ge=0)
     mode: Mode | None = None
     beam_width: int = Field(1, ge=1, le=64)

@@ -7,15 +7,19 @@ import torch
 from engine_service.engine.beam import BeamSearch
 from engine_service.engine.block_manager import BlockManager
 from engine_service.engine.config import EngineConfig
+from engine_service.engine.detokenizer import Detokenizer, eos_token_ids
+from engine_service.engine.isolation import run_isolated
 from engine_service.engine.model_runner import ModelRunner, set_threads
 from engine_service.engine.models.loader import load_tokenizer, resolve_model
-from engine_service.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine_service.engine.outputs import RequestOutput, request_output
+from engine_service.engine.prompt_logprobs import positions_to_score, score_prompt
 from engine_service.engine.proposers import DraftModel
 from engine_service.engine.sampler import SamplingBatch, process_logits, sample
 from engine_service.engine.sampling_params import SamplingParams
 from engine_service.engine.scheduler import Scheduler
 from engine_service.engine.sequence import Request, Sequence
-from engine_service.engine.spec_decode import SpecDecoder, SpecStats, execute_with_rows
+from engine_service.engine.spec_decode import SpecDecoder, SpecStats
+from engine_service.engine.utils import cdiv
 
 
 class LLMEngine:
@@ -27,8 +31,10 @@ class LLMEngine:
         self.runner = ModelRunner(config, model_dir)
         hf = self.runner.hf_config
         self.vocab_size = hf.vocab_size
-        self.max_model_len = min(config.max_model_len or hf.max_position_embeddings, hf.max_position_embeddings)
-        self.eos_token_ids = _eos_ids(hf, self.tokenizer, model_dir)
+        self.max_model_len = self.runner.max_model_len
+        self.eos_token_ids = eos_token_ids(hf, self.tokenizer, model_dir)
+        self.detok = Detokenizer(self.tokenizer, self._stop_ids)
+        self.errors: dict[str, str] = {}  # request id -> why it failed this step (see isolation.py)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         self.requests: dict[str, Request] = {}
@@ -58,6 +64,8 @@ class LLMEngine:
             raise ValueError("prompt: must not be empty")
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids: every id must be below the vocabulary size {self.vocab_size}")
+        if any(t >= self.vocab_size for t in params.logit_bias or {}):
+            raise ValueError(f"logit_bias: every token id must be below the vocabulary size {self.vocab_size}")
         if params.mode == "speculative" and params.proposer == "draft" and self.spec.drafter is None:
             raise ValueError("proposer: 'draft' needs an engine started with a draft model "
                              "(LLM(..., draft_model=NAME) or --draft-model NAME)")
@@ -68,17 +76,19 @@ class LLMEngine:
         if total > self.max_model_len:
             raise ValueError(f"max_tokens: prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) "
                              f"exceeds the model's context of {self.max_model_len} tokens")
-        if -(-total // self.config.block_size) > self.block_manager.num_blocks:
+        if cdiv(total, self.config.block_size) > self.block_manager.num_blocks:
             raise ValueError(f"max_tokens: {total} tokens need more KV blocks than the pool has "
                              f"({self.block_manager.num_blocks} x {self.config.block_size})")
         if params.mode == "beam":
             # worst case: the full prompt blocks shared, every beam's tail its own
             shared = len(token_ids) // self.config.block_size
-            need = shared + params.beam_width * (-(-total // self.config.block_size) - shared)
+            need = shared + params.beam_width * (cdiv(total, self.config.block_size) - shared)
             if need > self.block_manager.num_blocks:
                 raise ValueError(f"beam_width: {params.beam_width} beams of {total} tokens may need {need} KV "
                                  f"blocks; the pool has {self.block_manager.num_blocks}")
         req = Request(request_id, text, token_ids, params)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]  # the first prompt token has no log-prob
         if params.mode == "beam":
             req.beam = BeamSearch(req, self._stop_ids(params))
         elif params.mode == "speculative":
@@ -86,6 +96,7 @@ class LLMEngine:
         seq = self._new_seq(req, list(token_ids), 0)
         if req.spec is not None:
             seq.spec_marks = []
+            seq.spec_seed = params.seed if params.seed is not None else int(torch.randint(2 ** 62, ()))
         self.requests[request_id] = req
         self.scheduler.add(seq)
 
@@ -124,17 +135,23 @@ class LLMEngine:
         for seq in batch.seqs:
             if seq.request.first_scheduled_time is None:
                 seq.request.first_scheduled_time = now
+        # rows per sequence, at the end of its chunk: prompt positions to score (prompt_logprobs.py), then, when
+        # the chunk reaches its last token, the row it samples from and one per draft token to verify
         num_rows = [1 + s.num_draft_tokens for s in batch.seqs]
-        if max(num_rows) > 1:
-            logits, rows = execute_with_rows(self.runner, batch, num_rows)
-        else:
-            logits, rows = self.runner.execute(batch)
+        scored = [positions_to_score(s, n) for s, n in zip(batch.seqs, batch.num_new_tokens)]
+        ends = [s.num_computed_tokens + n == s.num_tokens for s, n in zip(batch.seqs, batch.num_new_tokens)]
+        logits, first = self.runner.execute(batch, [m + k * end for m, k, end in zip(scored, num_rows, ends)])
+        rows = []
+        for seq, m, i, end in zip(batch.seqs, scored, first, ends):
+            if m:
+                score_prompt(seq, logits[i:i + m])
+            rows.append(i + m if end else -1)
         to_sample: list[tuple[Sequence, int]] = []
         beams: list[tuple[Sequence, int]] = []
         spec: list[tuple[Sequence, torch.Tensor]] = []
         for seq, n, row, k in zip(batch.seqs, batch.num_new_tokens, rows, num_rows):
             seq.num_computed_tokens += n
-            if k > 1:
+            if row >= 0 and seq.request.spec is not None:  # with or without drafts: keyed draws (spec_decode)
                 spec.append((seq, logits[row:row + k]))
                 continue
             self.block_manager.cache_full_blocks(seq)
@@ -155,16 +172,10 @@ class LLMEngine:
         touched: dict[str, Request] = {}
         now = time.monotonic()
         if to_sample:
-            out = sample(logits[[r for _, r in to_sample]], self._sampling_batch([s for s, _ in to_sample]))
+            sampled = run_isolated(to_sample, lambda items: self._sample(logits, items), self._fail)
             now = time.monotonic()
-            for i, (seq, _) in enumerate(to_sample):
-                top = None
-                if out.top_ids is not None and seq.request.params.logprobs:
-                    k = seq.request.params.logprobs
-                    top = dict(zip(out.top_ids[i, :k].tolist(), out.top_logprobs[i, :k].tolist()))
-                if seq.spec_marks is not None:
-                    seq.spec_marks.append("target")
-                self._append_token(seq, int(out.token_ids[i]), float(out.logprobs[i]), top, now)
+            for (seq, _), (token, logprob, top) in sampled:
+                self._append_token(seq, token, logprob, top, now)
                 touched[seq.request.request_id] = seq.request
         if spec:
             for req in self._verify(spec, now):
@@ -172,11 +183,17 @@ class LLMEngine:
         if beams:
             for req in self._beam_step(logits, beams, now):
                 touched[req.request_id] = req
+        touched.update((rid, self.requests[rid]) for rid in self.errors)
         return [self._output(req) for req in touched.values()]
+
+    def _sample(self, logits: torch.Tensor, items: list[tuple[Sequence, int]]) -> list[tuple[int, float, dict | None]]:
+        out = sample(logits[[r for _, r in items]], self._sampling_batch([s for s, _ in items]))
+        return out.rows([s.request.params.logprobs for s, _ in items])
 
     def _verify(self, items: list[tuple[Sequence, torch.Tensor]], now: float) -> list[Request]:
         """Speculative sequences: keep the accepted drafts plus one target token; roll back the rest."""
-        for seq, tokens, marks, logprobs in self.spec.verify_batch(items):
+        counters = [self.spec.totals] + [seq.request.spec for seq, _ in items]
+        for _, (seq, tokens, marks, logprobs) in run_isolated(items, self.spec.verify_batch, self._fail, counters):
             self.block_manager.truncate(seq, seq.num_tokens + len(tokens) - 1)  # KV of the accepted drafts stays
             p = seq.request.params
             for token, mark, row in zip(tokens, marks, logprobs):
@@ -195,21 +212,28 @@ class LLMEngine:
     def _beam_step(self, logits: torch.Tensor, items: list[tuple[Sequence, int]], now: float) -> list[Request]:
         """Store each beam's next-token log-probs (HF: log_softmax, then the processors); step every beam
         request whose live beams all have theirs."""
-        seqs = [s for s, _ in items]
-        raw = logits[[r for _, r in items]].log_softmax(dim=-1)
-        processed = process_logits(raw.clone(), self._sampling_batch(seqs))
         reqs: dict[str, Request] = {}
-        for i, seq in enumerate(seqs):
-            seq.request.beam.pending[seq.seq_id] = (processed[i], raw[i])
+        for (seq, _), pending in run_isolated(items, lambda group: self._beam_logprobs(logits, group), self._fail):
+            seq.request.beam.pending[seq.seq_id] = pending
             reqs[seq.request.request_id] = seq.request
         stepped = []
         for req in reqs.values():
             if req.beam.ready(req):
-                req.beam.step(req, self._fork_beam, self.scheduler.finish)
+                try:
+                    req.beam.step(req, self._fork_beam, self.scheduler.finish)
+                except Exception as e:  # this request alone ends (isolation.py)
+                    self._fail(req, e)
+                    continue
                 req.first_token_time = req.first_token_time or now
                 req.last_token_time = now
                 stepped.append(req)
         return stepped
+
+    def _beam_logprobs(self, logits: torch.Tensor, items: list[tuple[Sequence, int]]) -> list[tuple]:
+        """(processed, raw) next-token log-probs per beam."""
+        raw = logits[[r for _, r in items]].log_softmax(dim=-1)
+        processed = process_logits(raw.clone(), self._sampling_batch([s for s, _ in items]))
+        return list(zip(processed, raw))
 
     def _fork_beam(self, parent: Sequence) -> Sequence:
         child = self._new_seq(parent.request, list(parent.token_ids), parent.index)
@@ -219,24 +243,7 @@ class LLMEngine:
         return child
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
-        ps = [s.request.params for s in seqs]
-        penalised = any(p.repetition_penalty != 1.0 for p in ps)
-        seen = None
-        if penalised:
-            width = max(s.num_tokens for s in seqs)
-            seen = torch.tensor([s.token_ids + [-1] * (width - s.num_tokens) for s in seqs], dtype=torch.int64)
-        banned = [sorted(self._stop_ids(p)) if s.num_output_tokens < p.min_tokens else [] for s, p in zip(seqs, ps)]
-        return SamplingBatch(
-            temperature=torch.tensor([0.0 if p.greedy else p.temperature for p in ps]),
-            top_k=torch.tensor([p.top_k for p in ps]),
-            top_p=torch.tensor([p.top_p for p in ps]),
-            min_p=torch.tensor([p.min_p for p in ps]),
-            repetition_penalty=torch.tensor([p.repetition_penalty for p in ps]),
-            seen_tokens=seen,
-            banned_tokens=banned,
-            generators=[s.generator for s in seqs],
-            num_logprobs=max(p.logprobs or 0 for p in ps),
-        )
+        return SamplingBatch.of(seqs, self._stop_ids)
 
     def _stop_ids(self, p: SamplingParams) -> set[int]:
         return set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
@@ -249,65 +256,41 @@ class LLMEngine:
             seq.logprobs.append({**(top or {}), token: logprob})
         req.first_token_time = req.first_token_time or now
         req.last_token_time = now
-        delta = self._detokenize(seq)
-        seq.text += delta
-        n_out = seq.num_output_tokens
-        if n_out >= p.min_tokens and token in self._stop_ids(p):
+        last = seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len
+        if self.detok.append(seq, last):
             self._finish(seq, "stop")
-        elif n_out >= p.min_tokens and p.stop and self._hit_stop_string(seq, len(delta)):
-            self._finish(seq, "stop")
-        elif n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif last:
             self._finish(seq, "length")
 
-    def _hit_stop_string(self, seq: Sequence, delta_len: int) -> bool:
-        longest = max(len(s) for s in seq.request.params.stop)
-        window_start = max(0, len(seq.text) - delta_len - longest + 1)
-        for stop in seq.request.params.stop:
-            at = seq.text.find(stop, window_start)
-            if at >= 0:
-                seq.text = seq.text[:at]  # like vLLM: the stop string is not part of the output
-                return True
-        return False
-
-    def _detokenize(self, seq: Sequence, flush: bool = False) -> str:
-        """Incremental detokenisation: text is released once it no longer ends in a partial character."""
-        ids = seq.output_token_ids
-        decode = self.tokenizer.decode
-        prefix = decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=True)
-        full = decode(ids[seq.prefix_offset:], skip_special_tokens=True)
-        if len(full) > len(prefix) and (flush or not full.endswith("\ufffd")):
-            seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
-            return full[len(prefix):]
-        return ""
-
     def _finish(self, seq: Sequence, reason: str) -> None:
-        if reason != "stop" or not seq.request.params.stop:
-            seq.text += self._detokenize(seq, flush=True)
         seq.finish_reason = reason
         self.scheduler.finish(seq)
         self._free_draft(seq)
+
+    def _fail(self, req: Request, error: Exception) -> None:
+        """End a request whose own input made its step raise; its unverified drafts are no output."""
+        self.errors[req.request_id] = f"{type(error).__name__}: {error}"
+        for seq in req.seqs:
+            del seq.token_ids[seq.num_tokens - seq.num_draft_tokens:]
+            seq.num_draft_tokens = 0
+            if not seq.is_finished:
+                self.scheduler.finish(seq)
+            seq.finish_reason = "error"
+            self._free_draft(seq)
+        if req.beam is not None:
+            req.beam.done = True
 
     def _free_draft(self, seq: Sequence) -> None:
         if self.spec.drafter is not None:
             self.spec.drafter.free(seq)
 
     def _output(self, req: Request) -> RequestOutput:
-        finished = req.is_finished
+        error = self.errors.pop(req.request_id, None)
+        finished = req.is_finished or error is not None
         if finished:
             req.finished_time = time.monotonic()
             self.requests.pop(req.request_id, None)
-        metrics = _metrics(req)
-        if req.beam is not None:
-            outs = req.beam.outputs(req, lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
-            metrics.generated_tokens = max((len(o.token_ids) for o in outs), default=0)
-        else:
-            outs = [CompletionOutput(s.index, s.text, list(s.output_token_ids), s.cumulative_logprob,
-                                     list(s.logprobs) if req.params.logprobs is not None else None, s.finish_reason,
-                                     spec_marks=list(s.spec_marks) if s.spec_marks is not None else None)
-                    for s in sorted(req.seqs, key=lambda s: s.index)]
-        if req.spec is not None:
-            metrics.spec = req.spec.to_dict()
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished, metrics)
+        return request_output(req, self.detok, finished, error)
 
     def stats(self) -> dict:
         return {
@@ -322,36 +305,3 @@ class LLMEngine:
             **(self.spec.drafter.summary() if self.spec.drafter is not None else {}),
         }
 
-
-def _metrics(req: Request) -> RequestMetrics:
-    generated = max((s.num_output_tokens for s in req.seqs), default=0)
-    m = RequestMetrics(req.arrival_time, prompt_tokens=len(req.prompt_token_ids),
-                       cached_prompt_tokens=req.num_cached_tokens, generated_tokens=generated)
-    if req.first_scheduled_time is not None:
-        m.queue_time = req.first_scheduled_time - req.arrival_time
-    if req.first_token_time is not None:
-        m.ttft = req.first_token_time - req.arrival_time
-        if generated > 1:
-            m.tpot = (req.last_token_time - req.first_token_time) / (generated - 1)
-    if req.finished_time is not None:
-        m.e2e = req.finished_time - req.arrival_time
-    return m
-
-
-def _eos_ids(hf_config, tokenizer, model_dir) -> set[int]:
-    ids: set[int] = set()
-    for source in (hf_config.eos_token_id, tokenizer.eos_token_id, _generation_eos(model_dir)):
-        if isinstance(source, int):
-            ids.add(source)
-        elif source:
-            ids.update(source)
-    return ids
-
-
-def _generation_eos(model_dir):
-    from transformers import GenerationConfig
-
-    try:
-        return GenerationConfig.from_pretrained(model_dir).eos_token_id
-    except OSError:
-        return None

@@ -1,4 +1,10 @@
+"""What the engine reports per request and step, and how it is built from a Request."""
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine_service.engine.detokenizer import Detokenizer
+    from engine_service.engine.sequence import Request
 
 
 @dataclass
@@ -8,7 +14,7 @@ class CompletionOutput:
     token_ids: list[int]  # generated ids only
     cumulative_logprob: float | None
     logprobs: list[dict[int, float]] | None  # per generated token: {token_id: logprob} (top-N + chosen)
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (RequestOutput.error says why)
     score: float | None = None  # beam search: the length-penalised beam score
     # speculative decoding, one mark per generated token: "accepted" (a draft token the target kept),
     # "resampled" (drawn by the target after a rejection), "bonus" (drawn after all k were accepted),
@@ -40,3 +46,44 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(default=None)
+    # set when this request made the engine raise: it finished alone (finish_reason "error"), the batch went on
+    error: str | None = None
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then {id: log-prob} per prompt token
+    # (top-N plus the token); set once the prefill has scored the whole prompt
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+
+
+def request_output(req: "Request", detok: "Detokenizer", finished: bool, error: str | None) -> RequestOutput:
+    """Everything generated so far; a running sequence shows only the text it can no longer take back."""
+    metrics = request_metrics(req)
+    if req.beam is not None and error is None:
+        outs = req.beam.outputs(req, lambda ids: detok.decode(ids, req.params))
+        metrics.generated_tokens = max((len(o.token_ids) for o in outs), default=0)
+    else:
+        with_logprobs = req.params.logprobs is not None
+        outs = [CompletionOutput(s.index, detok.visible_text(s), list(s.output_token_ids), s.cumulative_logprob,
+                                 list(s.logprobs) if with_logprobs else None, s.finish_reason,
+                                 spec_marks=list(s.spec_marks) if s.spec_marks is not None else None)
+                for s in sorted(req.seqs, key=lambda s: s.index)]
+    if req.spec is not None:
+        metrics.spec = req.spec.to_dict()
+    prompt_logprobs = req.prompt_logprobs
+    if prompt_logprobs is not None and len(prompt_logprobs) < len(req.prompt_token_ids):
+        prompt_logprobs = None  # still prefilling
+    return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished, metrics, error,
+                         list(prompt_logprobs) if prompt_logprobs is not None else None)
+
+
+def request_metrics(req: "Request") -> RequestMetrics:
+    generated = max((s.num_output_tokens for s in req.seqs), default=0)
+    m = RequestMetrics(req.arrival_time, prompt_tokens=len(req.prompt_token_ids),
+                       cached_prompt_tokens=req.num_cached_tokens, generated_tokens=generated)
+    if req.first_scheduled_time is not None:
+        m.queue_time = req.first_scheduled_time - req.arrival_time
+    if req.first_token_time is not None:
+        m.ttft = req.first_token_time - req.arrival_time
+        if generated > 1:
+            m.tpot = (req.last_token_time - req.first_token_time) / (generated - 1)
+    if req.finished_time is not None:
+        m.e2e = req.finished_time - req.arrival_time
+    return m

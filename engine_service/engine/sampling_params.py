@@ -2,6 +2,8 @@ import math
 from dataclasses import dataclass, field
 
 MODES = ("greedy", "sample", "beam", "speculative")
+# temperatures below this decode greedily (like vLLM's _SAMPLING_EPS): tinier ones overflow the scaled logits
+SAMPLING_EPS = 1e-5
 
 
 @dataclass
@@ -14,13 +16,20 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    # OpenAI's: logit[t] -= presence * (count[t] > 0) + frequency * count[t], counting generated tokens only
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling, in [-100, 100]
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False  # keep the matched stop string / the stop token's text
     max_tokens: int = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    # per prompt token after the first: {id: log-prob} of its top-N plus the token itself (RequestOutput)
+    prompt_logprobs: int | None = None
     # decoding mode; None derives it from temperature (0 -> greedy, else sample)
     mode: str | None = None
     beam_width: int = 1
@@ -40,8 +49,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """Argmax decoding (greedy mode, or sample/speculative at temperature 0); beam search is separate."""
-        return self.mode == "greedy" or (self.mode != "beam" and self.temperature == 0)
+        """Argmax decoding (greedy mode, or sample/speculative at temperature ~0); beam search is separate."""
+        return self.mode == "greedy" or (self.mode != "beam" and self.temperature < SAMPLING_EPS)
 
     def validate(self) -> None:
         def bad(name: str, why: str) -> None:
@@ -70,6 +79,17 @@ class SamplingParams:
             bad("min_tokens", f"must be in [0, max_tokens], got {self.min_tokens!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             bad("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or not 0 <= self.prompt_logprobs <= 20):
+            bad("prompt_logprobs", f"must be an integer in [0, 20], got {self.prompt_logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and -2 <= value <= 2):
+                bad(name, f"must be a number in [-2, 2], got {value!r}")
+        if self.logit_bias is not None and not (isinstance(self.logit_bias, dict) and all(
+                isinstance(t, int) and t >= 0 and isinstance(b, (int, float)) and -100 <= b <= 100
+                for t, b in self.logit_bias.items())):
+            bad("logit_bias", f"must map token ids to biases in [-100, 100], got {self.logit_bias!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", f"must be an integer, got {self.seed!r}")
         if not isinstance(self.beam_width, int) or self.beam_width < 1:
@@ -78,6 +98,8 @@ class SamplingParams:
             bad("stop", f"stop strings must be non-empty strings, got {self.stop!r}")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids", f"must be non-negative token ids, got {self.stop_token_ids!r}")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            bad("include_stop_str_in_output", f"must be true or false, got {self.include_stop_str_in_output!r}")
         if self.early_stopping not in (True, False, "never"):
             bad("early_stopping", f"must be True, False or 'never', got {self.early_stopping!r}")
         if self.proposer not in ("draft", "ngram"):

@@ -3,24 +3,18 @@
 import json
 import math
 import os
-import random
 from dataclasses import fields
 
 import pytest
 
 from engine_service import LLM, SamplingParams
-from engine_service import cli
 from engine_service.cli import main
 from engine_service.engine.outputs import CompletionOutput, RequestOutput
-from hf_oracle import assert_greedy_matches, hf_greedy
+from tests.helpers import GREEDY, random_prompt
+from tests.hf_oracle import assert_greedy_matches, hf_greedy
 
 THREADS = int(os.environ.get("OMP_NUM_THREADS", "0")) or None
-GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-
-
-def random_ids(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 512) for _ in range(n)]
+SIX = SamplingParams(max_tokens=6, **GREEDY)  # six greedy tokens
 
 
 @pytest.fixture(scope="module")
@@ -68,16 +62,17 @@ def broken(field: str, value):
 
 
 BAD_REQUESTS = [
-    ("prompt", "", GREEDY),
-    ("prompt", [], GREEDY),
-    ("prompt_token_ids", [5, 6, 10**6], GREEDY),
-    ("prompt_token_ids", [5, -1], GREEDY),
+    ("prompt", "", SIX),
+    ("prompt", [], SIX),
+    ("prompt_token_ids", [5, 6, 10**6], SIX),
+    ("prompt_token_ids", [5, -1], SIX),
     ("max_tokens", [5] * 2040, SamplingParams(temperature=0.0, max_tokens=16)),  # context is 2048
     *[(field, [5, 6, 7], broken(field, value)) for field, value in BAD_PARAMS],
 ]
 
 
-@pytest.mark.parametrize("field,prompt,params", BAD_REQUESTS, ids=[f"{f}-{i}" for i, (f, *_) in enumerate(BAD_REQUESTS)])
+@pytest.mark.parametrize("field,prompt,params", BAD_REQUESTS,
+                         ids=[f"{f}-{i}" for i, (f, *_) in enumerate(BAD_REQUESTS)])
 def test_bad_request_raises_a_value_error_naming_the_field(engine, field, prompt, params):
     with pytest.raises(ValueError, match=rf"^{field}\b"):
         engine.add_request("bad", prompt, params)
@@ -85,13 +80,13 @@ def test_bad_request_raises_a_value_error_naming_the_field(engine, field, prompt
 
 
 def test_refused_requests_leave_the_engine_serving_the_others(engine, tiny_llama_dir):
-    a, b = random_ids(13, 1), random_ids(21, 2)
-    engine.add_request("a", a, GREEDY)
+    a, b = random_prompt(13, 1), random_prompt(21, 2)
+    engine.add_request("a", a, SIX)
     engine.step()  # "a" is in flight while the bad ones arrive
-    for field, prompt, params in BAD_REQUESTS + [("request_id", [5, 6], GREEDY)]:
+    for field, prompt, params in BAD_REQUESTS + [("request_id", [5, 6], SIX)]:
         with pytest.raises(ValueError, match=rf"^{field}\b"):
             engine.add_request("a" if field == "request_id" else "bad", prompt, params)
-    engine.add_request("b", b, GREEDY)
+    engine.add_request("b", b, SIX)
     finals = drain(engine)
     assert set(finals) == {"a", "b"}
     for ids, out in ((a, finals["a"]), (b, finals["b"])):
@@ -106,6 +101,15 @@ def test_stop_token_ids_outside_the_vocabulary_are_refused(tiny_llama_dir):
                                                             stop_token_ids=[10**6]))
 
 
+def test_a_request_bigger_than_the_kv_pool_is_refused_naming_max_tokens_and_the_pool(engine):
+    # the pool holds 64 blocks of 8 = 512 tokens, well inside the 2048-token context: no wait would ever fit it
+    with pytest.raises(ValueError, match=r"^max_tokens: 513 tokens need more KV blocks than the pool has \(64 x 8\)"):
+        engine.add_request("big", random_prompt(13, 10), SamplingParams(max_tokens=500, **GREEDY))
+    assert not engine.has_unfinished() and "big" not in engine.requests
+    engine.add_request("fits", random_prompt(12, 10), SamplingParams(max_tokens=500, **GREEDY))  # exactly 512
+    assert engine.has_unfinished()
+
+
 def test_an_empty_stop_string_is_refused():
     with pytest.raises(ValueError, match=r"^stop\b"):
         SamplingParams(stop=["", "end"])
@@ -114,7 +118,7 @@ def test_an_empty_stop_string_is_refused():
 # ---- abort, has_unfinished
 
 def test_has_unfinished_follows_the_requests(engine):
-    engine.add_request("r", random_ids(5, 3), SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    engine.add_request("r", random_prompt(5, 3), SamplingParams(max_tokens=2, **GREEDY))
     assert engine.has_unfinished()
     drain(engine)
     assert not engine.has_unfinished() and not engine.requests
@@ -123,8 +127,8 @@ def test_has_unfinished_follows_the_requests(engine):
 def test_abort_frees_the_blocks_at_once(engine):
     bm = engine.block_manager
     idle = bm.num_free_blocks
-    engine.add_request("long", random_ids(40, 4), SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
-    engine.add_request("queued", random_ids(9, 5), GREEDY)
+    engine.add_request("long", random_prompt(40, 4), SamplingParams(max_tokens=50, **GREEDY))
+    engine.add_request("queued", random_prompt(9, 5), SIX)
     engine.step()
     engine.step()
     assert bm.num_free_blocks < idle
@@ -137,7 +141,7 @@ def test_abort_frees_the_blocks_at_once(engine):
 
 
 def test_abort_before_the_first_step(engine):
-    engine.add_request("w", random_ids(7, 6), GREEDY)
+    engine.add_request("w", random_prompt(7, 6), SIX)
     engine.abort("w")
     assert not engine.has_unfinished()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
@@ -150,8 +154,8 @@ def test_request_output_uses_vllm_names_and_holds_generated_ids_only(llm):
         {f.name for f in fields(RequestOutput)}
     assert {"index", "text", "token_ids", "cumulative_logprob", "logprobs", "finish_reason"} <= \
         {f.name for f in fields(CompletionOutput)}
-    ids = random_ids(11, 7)
-    text_out, ids_out = llm.generate(["Once upon a time", {"prompt_token_ids": ids}], GREEDY)
+    ids = random_prompt(11, 7)
+    text_out, ids_out = llm.generate(["Once upon a time", {"prompt_token_ids": ids}], SIX)
     assert text_out.finished and text_out.prompt == "Once upon a time"
     assert text_out.prompt_token_ids == llm.tokenizer("Once upon a time").input_ids
     assert ids_out.prompt is None and ids_out.prompt_token_ids == ids
@@ -163,7 +167,7 @@ def test_request_output_uses_vllm_names_and_holds_generated_ids_only(llm):
 
 
 def test_streamed_outputs_hold_everything_so_far_and_finish_once(engine):
-    engine.add_request("s", random_ids(6, 8), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    engine.add_request("s", random_prompt(6, 8), SamplingParams(max_tokens=4, **GREEDY))
     stream = []
     while engine.has_unfinished():
         stream += [out for out in engine.step() if out.request_id == "s"]
@@ -173,11 +177,11 @@ def test_streamed_outputs_hold_everything_so_far_and_finish_once(engine):
 
 
 def test_metrics_are_present_and_sane(llm):
-    ids = random_ids(20, 9)  # two full blocks of 8 and a partial one
-    first, second = (llm.generate({"prompt_token_ids": ids}, GREEDY)[0].metrics for _ in range(2))
+    ids = random_prompt(20, 9)  # two full blocks of 8 and a partial one
+    first, second = (llm.generate({"prompt_token_ids": ids}, SIX)[0].metrics for _ in range(2))
     for m in (first, second):
         assert 0 <= m.queue_time <= m.ttft <= m.e2e < 60
-        assert 0 < m.tpot and m.ttft + m.tpot * (m.generated_tokens - 1) <= m.e2e + 1e-6
+        assert m.tpot > 0 and m.ttft + m.tpot * (m.generated_tokens - 1) <= m.e2e + 1e-6
         assert (m.prompt_tokens, m.generated_tokens) == (20, 6)
     assert (first.cached_prompt_tokens, second.cached_prompt_tokens) == (0, 16)
     assert {"queue_time", "ttft", "tpot", "e2e", "prompt_tokens", "cached_prompt_tokens",
@@ -186,23 +190,17 @@ def test_metrics_are_present_and_sane(llm):
 
 def test_chat_applies_the_chat_template(llm):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
-    templated = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\n"
-    [chat] = llm.chat(messages, GREEDY)
+    templated = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHello there<|im_end|>\n"
+                 "<|im_start|>assistant\n")
+    [chat] = llm.chat(messages, SIX)
     assert chat.prompt == templated
     assert chat.prompt_token_ids == llm.tokenizer(templated).input_ids
-    assert chat.outputs[0].token_ids == llm.generate(templated, GREEDY)[0].outputs[0].token_ids
-    assert len(llm.chat([messages, messages[1:]], GREEDY)) == 2  # a list of conversations
+    assert chat.outputs[0].token_ids == llm.generate(templated, SIX)[0].outputs[0].token_ids
+    assert len(llm.chat([messages, messages[1:]], SIX)) == 2  # a list of conversations
 
 
 # ---- decodelab generate --json
 
-@pytest.fixture
-def no_service_commands(monkeypatch):
-    """`generate` does not need them, and registering them imports gradio (seconds)."""
-    monkeypatch.setattr(cli, "_add_service_parsers", lambda sub: None)
-
-
-@pytest.mark.usefixtures("no_service_commands")
 def test_generate_json_prints_one_object_per_prompt_in_input_order(tiny_llama_dir, llm, tmp_path, capsys):
     prompts_file = tmp_path / "prompts.jsonl"
     prompts_file.write_text('{"prompt": "Readability counts."}\n\n{"prompt_token_ids": [5, 6, 7, 8]}\n')
@@ -216,7 +214,7 @@ def test_generate_json_prints_one_object_per_prompt_in_input_order(tiny_llama_di
     assert [o["prompt_token_ids"] for o in objects] == [
         tok("Once upon a time").input_ids, tok("The quick brown fox").input_ids, tok("Readability counts.").input_ids,
         [5, 6, 7, 8]]
-    greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=3, **GREEDY)
     for o in objects:
         assert {"prompt_token_ids", "outputs", "metrics"} <= set(o)
         [out] = o["outputs"]
@@ -228,7 +226,6 @@ def test_generate_json_prints_one_object_per_prompt_in_input_order(tiny_llama_di
         assert {"ttft", "e2e", "prompt_tokens", "generated_tokens"} <= set(o["metrics"])
 
 
-@pytest.mark.usefixtures("no_service_commands")
 def test_generate_rejects_a_bad_prompts_file_line(tmp_path, capsys):
     prompts_file = tmp_path / "prompts.jsonl"
     prompts_file.write_text('{"prompt": "fine"}\n{"text": "no prompt key"}\n')
