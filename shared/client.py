@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -54,6 +55,10 @@ class ClientBusy(QueueFull):
     code = "too_many_requests"
 
 
+def random_seed() -> int:
+    return secrets.randbits(63)
+
+
 def _s(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
@@ -96,11 +101,16 @@ class TextAccumulator:
     delivered: dict[int, str] = field(default_factory=dict)
     current: dict[int, str] = field(default_factory=dict)
     attempt: int = 0
+    diverged: bool = False  # a re-run's text contradicts what was delivered: the caller must end with an error
 
     def _advance(self, index: int, text: str) -> str:
         self.current[index] = text
         sent = self.delivered.get(index, "")
-        if len(text) <= len(sent) or not text.startswith(sent):
+        if not text.startswith(sent):
+            # a beam rewrite within one attempt is expected (beams stream once final); across attempts it is not
+            self.diverged = self.diverged or (self.attempt > 1 and not sent.startswith(text))
+            return ""
+        if len(text) == len(sent):
             return ""
         self.delivered[index] = text
         return text[len(sent):]
@@ -112,7 +122,10 @@ class TextAccumulator:
         return self._advance(ev.index, base + ev.text_delta)
 
     def final(self, index: int, text: str) -> str:
-        return self._advance(index, text)
+        delta = self._advance(index, text)
+        # the final text must extend what was delivered (a re-run that is shorter still contradicts it)
+        self.diverged = self.diverged or not text.startswith(self.delivered.get(index, ""))
+        return delta
 
 
 class EngineClient:
@@ -140,6 +153,10 @@ class EngineClient:
         if not self._group_ready:
             await ensure_group(self.redis, self.keys)
             self._group_ready = True
+        p = request.params
+        if p.seed is None and p.temperature > 0 and p.mode not in ("greedy", "beam"):
+            # A sampled request gets its seed here, so a re-run after a replica dies continues the same text
+            request = request.model_copy(update={"params": p.model_copy(update={"seed": random_seed()})})
         channel = self.keys.events(request.request_id)
         events = await self.subscriber.subscribe(channel)  # confirmed before the request exists: nothing is missed
         try:

@@ -24,6 +24,10 @@ class Keys:
         return f"{self.prefix}:replicas"
 
     @property
+    def dead_letter(self) -> str:  # requests that crashed replicas max_attempts times, kept for a person to read
+        return f"{self.prefix}:dead"
+
+    @property
     def cancel_channel(self) -> str:  # pub/sub: request ids to abort
         return f"{self.prefix}:cancel"
 

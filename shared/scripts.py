@@ -56,3 +56,22 @@ for i = 5, #ARGV, 2 do
 end
 return lost
 """
+
+# Forget a group consumer that is gone: nothing pending, idle at least ARGV[3] ms, no replica heartbeat key.
+# KEYS: stream, the consumer's replica key. ARGV: group, consumer, min idle ms. Returns 1 if it was removed.
+# Checked and deleted in one step, so a consumer that reads meanwhile cannot lose its pending entries.
+REMOVE_DEAD_CONSUMER = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+for _, c in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])) do
+  local f = {}
+  for i = 1, #c, 2 do f[c[i]] = c[i + 1] end
+  if f['name'] == ARGV[2] then
+    if tonumber(f['pending']) == 0 and tonumber(f['idle']) >= tonumber(ARGV[3]) then
+      redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
+      return 1
+    end
+    return 0
+  end
+end
+return 0
+"""

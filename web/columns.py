@@ -53,6 +53,8 @@ class Column:
     first_token_at: float | None = None
     last_token_at: float | None = None
     done: DoneEvent | None = None
+    attempt: int = 0  # the run whose tokens are shown; a re-run (its replica died) starts the text again
+    restarts: int = 0
     version: int = 0  # bumped on every change, so unchanged columns are not re-sent
 
     @property
@@ -84,6 +86,10 @@ class Column:
         self.status, self.queue_position = "running", None
         self.first_token_at = self.first_token_at or now
         self.last_token_at = now
+        if ev.attempt != self.attempt:
+            if self.attempt:  # another replica took over: show its run from the start, not a mix of two
+                self.outputs, self.restarts = {}, self.restarts + 1
+            self.attempt = ev.attempt
         out = self.outputs.setdefault(ev.index, Output(ev.index))
         new = _tokens(ev.token_ids, ev.text_delta, ev.logprobs, ev.spec)
         if ev.reset:

@@ -10,7 +10,7 @@ from pydantic import BaseModel
 from engine_service.server.jobs import Cancel, Drop
 from engine_service.server.state import CONN_ERRORS, ReplicaState
 from shared.protocol import encode
-from shared.scripts import HEARTBEAT
+from shared.scripts import HEARTBEAT, REMOVE_DEAD_CONSUMER
 
 log = logging.getLogger("decodelab.replica")
 
@@ -25,10 +25,11 @@ class Control:
     def __init__(self, state: ReplicaState):
         self.s = state
         self._heartbeat = state.redis.register_script(HEARTBEAT)
+        self._remove_consumer = state.redis.register_script(REMOVE_DEAD_CONSUMER)
 
     def run(self) -> None:
         s = self.s
-        pubsub, last_beat, delay = None, 0.0, 0.1
+        pubsub, last_beat, last_gc, delay = None, 0.0, time.monotonic(), 0.1
         while not s.stop.is_set():
             try:
                 if pubsub is None:
@@ -41,6 +42,9 @@ class Control:
                 if time.monotonic() - last_beat >= s.cfg.heartbeat_s:
                     last_beat = time.monotonic()
                     self._beat()
+                if time.monotonic() - last_gc >= min(60.0, s.cfg.consumer_gc_idle_s / 2):
+                    last_gc = time.monotonic()
+                    self.remove_dead_consumers()
                 delay = 0.1
             except CONN_ERRORS as e:
                 s.redis_ok = False
@@ -58,6 +62,23 @@ class Control:
                 s.stop.wait(delay)
         if pubsub is not None:
             pubsub.close()
+
+    def remove_dead_consumers(self) -> list[str]:
+        """Forget group consumers that hold nothing, have no heartbeat and were idle for consumer_gc_idle_s: replicas
+        that are gone (a consumer lives in the group until deleted). A live replica re-creates itself on its next
+        read."""
+        s, keys = self.s, self.s.keys
+        removed = []
+        for c in s.redis.xinfo_consumers(keys.stream, keys.group):
+            name = c["name"]
+            if name == s.cfg.name or c["pending"] or c["idle"] < s.cfg.consumer_gc_idle_s * 1000:
+                continue
+            if self._remove_consumer(keys=[keys.stream, keys.replica(name)],
+                                     args=[keys.group, name, int(s.cfg.consumer_gc_idle_s * 1000)]):
+                removed.append(name)
+        if removed:
+            log.info("removed %d dead consumers from the group: %s", len(removed), ", ".join(removed))
+        return removed
 
     def _beat(self) -> None:
         s, keys = self.s, self.s.keys

@@ -10,6 +10,7 @@ import logging
 import os
 import threading
 
+import uvicorn
 from prometheus_client import CollectorRegistry
 
 from engine_service.server.api.app import create_app
@@ -57,7 +58,7 @@ def add_service_args(p: argparse.ArgumentParser) -> None:
 
 
 def _load(state: ServiceState, args, metrics: ReplicaMetrics, server) -> None:
-    from engine_service.cli import engine_config_from_args
+    from engine_service.engine.flags import engine_config_from_args
     from engine_service.engine.llm_engine import LLMEngine
 
     try:
@@ -74,9 +75,21 @@ def _load(state: ServiceState, args, metrics: ReplicaMetrics, server) -> None:
         server.should_exit = True
 
 
-def run_engine(args: argparse.Namespace) -> int:
-    import uvicorn
+class _Server(uvicorn.Server):
+    """Stops the replica's intake at the signal itself: uvicorn first waits for open HTTP streams to end, and a
+    replica still pulling meanwhile would take work it is about to abandon."""
 
+    def __init__(self, config: uvicorn.Config, state: ServiceState):
+        super().__init__(config)
+        self.service = state
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.service.replica is not None:
+            self.service.replica.state.pulling.clear()
+        super().handle_exit(sig, frame)
+
+
+def run_engine(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if not args.redis_url:
         raise SystemExit("decodelab engine: no Redis; pass --redis-url or set REDIS_URL (or use `decodelab play`)")
@@ -86,15 +99,15 @@ def run_engine(args: argparse.Namespace) -> int:
                          api_key=args.api_key, default_max_tokens=args.default_max_tokens,
                          drain_timeout=args.drain_timeout)
     app = create_app(state)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower()))
+    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower()), state)
     loader = threading.Thread(target=_load, args=(state, args, ReplicaMetrics(registry), server), daemon=True)
     loader.start()  # the API answers /health (and /ready = 503) while the model loads
-    server.run()  # on SIGINT / SIGTERM the app's lifespan drains the worker
+    server.run()  # on SIGINT / SIGTERM: intake stops, HTTP streams end, the lifespan drains the replica
     return 0 if state.load_error is None else 1
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine_service.cli import add_engine_args
+    from engine_service.engine.flags import add_engine_args
 
     parser = argparse.ArgumentParser(prog="decodelab engine")
     add_engine_args(parser)

@@ -86,16 +86,16 @@ class EngineLoop:
 
     def _apply(self, command: Command) -> None:
         job, s = command.job, self.s
+        if s.jobs.get(job.rid) is not job:
+            return  # finished or dropped meanwhile
         if isinstance(command, Add):
             self._add(job)
-        elif s.jobs.get(job.rid) is not job or not job.started:
-            return  # finished meanwhile, or not in the engine yet (the Add will see job.cancelled)
-        elif isinstance(command, Cancel):
-            self.engine.abort(job.rid)
-            s.end(job, self._done(job, "cancelled", None))
-        elif isinstance(command, Drop):
+        elif isinstance(command, Drop):  # not ours any more: no answer from here
             self.engine.abort(job.rid)
             s.jobs.pop(job.rid, None)
+        elif isinstance(command, Cancel) and job.started:  # (an unstarted job: its Add sees job.cancelled)
+            self.engine.abort(job.rid)
+            s.end(job, self._done(job, "cancelled", None))
 
     def _add(self, job: Job) -> None:
         s = self.s
@@ -104,10 +104,12 @@ class EngineLoop:
             return
         try:
             prompt = self._prompt(job)
-            if isinstance(prompt, str):  # counted before the engine sees it (a token-id prompt at intake)
-                if (why := s.cfg.limits.check_prompt_tokens(len(self.engine.tokenizer(prompt).input_ids))):
-                    s.end(job, error_event(job, "limit_exceeded", why))
-                    return
+            # a text prompt is counted here, before the engine sees it (a token-id prompt was counted at intake)
+            why = (s.cfg.limits.check_prompt_tokens(len(self.engine.tokenizer(prompt).input_ids))
+                   if isinstance(prompt, str) else None)
+            if why:
+                s.end(job, error_event(job, "limit_exceeded", why))
+                return
             self.engine.add_request(job.rid, prompt, SamplingParams(**job.request.params.model_dump()))
             job.started = True
         except (ValueError, TypeError) as e:
@@ -154,7 +156,7 @@ class EngineLoop:
         elif job.last_token_at is not None:
             s.metrics.itl.observe(now - job.last_token_at)
         job.last_token_at = now
-        if getattr(out, "error", None) is not None:  # the engine ended this request alone (see LLMEngine.step)
+        if out.error is not None:  # the engine ended this request alone (engine/isolation.py)
             s.end(job, error_event(job, "engine_error", out.error))
         elif out.finished:
             s.end(job, self._done(job, out.outputs[0].finish_reason, out.outputs))

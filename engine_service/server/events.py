@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import time
 
-from shared.protocol import Completion, DoneEvent, ErrorEvent, Metrics, TokenEvent, TokenLogprob
-
 from engine_service.server.jobs import Job
+from shared.protocol import Completion, DoneEvent, ErrorEvent, Metrics, TokenEvent, TokenLogprob
 
 
 def token_logprobs(tokenizer, token_ids: list[int], entries: list[dict[int, float]]) -> list[TokenLogprob]:

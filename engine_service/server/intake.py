@@ -134,26 +134,46 @@ class Intake:
                       entry_id, 1, now)
             s.end(job, error_event(job, e.code, e.message))
             return
+        # Registered before the cancel mark is read: a cancel published from here on finds the job (control
+        # thread), and one published earlier left its mark, which the pipeline below reads.
+        job = Job(request, entry_id, 0, now)
+        s.jobs[rid] = job
         pipe = s.redis.pipeline(transaction=False)
         pipe.exists(s.keys.result(rid))
         pipe.exists(s.keys.cancelled(rid))
         pipe.incr(s.keys.attempt(rid))
         pipe.expire(s.keys.attempt(rid), s.cfg.result_ttl_s)
         pipe.set(s.keys.owner(rid), s.cfg.name, px=int(s.cfg.claim_idle_s * 2000))
-        has_result, cancelled, attempt, *_ = pipe.execute()
+        try:
+            has_result, cancelled, attempt, *_ = pipe.execute()
+        except BaseException:
+            s.jobs.pop(rid, None)  # the entry stays pending; it is claimed again later
+            raise
+        job.attempt = int(attempt)
         if has_result:  # finished by a replica that died before acknowledging: nothing to redo
+            s.jobs.pop(rid, None)
             s.redis.xack(s.keys.stream, s.keys.group, entry_id)
             s.redis.xdel(s.keys.stream, entry_id)
             s.redis.delete(s.keys.owner(rid))
             return
-        job = Job(request, entry_id, int(attempt), now)
         s.metrics.queue.observe(max(0.0, now - request.created_at))
+        if job.attempt > s.cfg.max_attempts:  # every earlier run took its replica down: stop the cycle
+            self._dead_letter(entry_id, fields, job.attempt)
+            s.end(job, error_event(job, "too_many_attempts",
+                                   f"replicas stopped while running this request {job.attempt - 1} times; it was "
+                                   f"moved to the dead-letter stream {s.keys.dead_letter} and will not be run again"))
+            return
         if request.deadline is not None and now > request.deadline:
             s.end(job, error_event(job, "deadline_exceeded", "deadline passed while queued"))
             return
-        job.cancelled = bool(cancelled)
-        s.jobs[rid] = job
+        job.cancelled = job.cancelled or bool(cancelled)
         s.commands.put(Add(job))
+
+    def _dead_letter(self, entry_id: str, fields: dict, attempts: int) -> None:
+        s = self.s
+        s.redis.xadd(s.keys.dead_letter, {**fields, "entry": entry_id, "attempts": str(attempts),
+                                          "replica": s.cfg.name}, maxlen=10_000, approximate=True)
+        log.error("request %s moved to the dead-letter stream after %d attempts", fields.get("id"), attempts)
 
 
 def _safe_id(rid: str, entry_id: str) -> str:

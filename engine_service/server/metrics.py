@@ -2,13 +2,10 @@
 from the replica's latest stats snapshot at scrape time)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-if TYPE_CHECKING:
-    from engine_service.server.state import ReplicaState
 
 LATENCY_BUCKETS = (.005, .01, .025, .05, .075, .1, .15, .2, .3, .5, .75, 1, 1.5, 2, 3, 5, 7.5, 10, 20, 40, 80)
 
@@ -30,13 +27,14 @@ class ReplicaMetrics:
 
 
 class EngineCollector:
-    """Engine and queue gauges of the replica that `get_state()` returns (None until the model is loaded)."""
+    """Engine and queue gauges of the replica whose ReplicaState `get_state()` returns (None until the model is
+    loaded). It reads the state's `stats`, `jobs` and `queue_length` (typed loosely: state.py imports this module)."""
 
-    def __init__(self, get_state):
+    def __init__(self, get_state: Callable[[], object | None]):
         self.get_state = get_state
 
     def collect(self):
-        state: ReplicaState | None = self.get_state()
+        state = self.get_state()
         if state is None:
             return
         st = state.stats

@@ -16,9 +16,12 @@ from engine_service.server.config import ReplicaConfig
 from engine_service.server.control import Control
 from engine_service.server.engine_loop import EngineLoop
 from engine_service.server.intake import Intake
+from engine_service.server.jobs import Drop
 from engine_service.server.metrics import ReplicaMetrics
 from engine_service.server.publisher import Publisher
 from engine_service.server.state import ReplicaState
+
+HANDED_BACK_IDLE_MS = 365 * 24 * 3600 * 1000  # idle "forever": past any replica's claim_idle_s
 
 
 class Replica:
@@ -53,10 +56,32 @@ class Replica:
     def drain(self, timeout: float) -> bool:
         """Stop pulling and let running requests finish (True if all did within timeout)."""
         self.state.pulling.clear()
+        return self._wait_empty(timeout)
+
+    def _wait_empty(self, timeout: float) -> bool:
         end = time.monotonic() + timeout
         while self.state.jobs and time.monotonic() < end:
             time.sleep(0.05)
         return not self.state.jobs
+
+    def hand_back(self, timeout: float = 5.0) -> int:
+        """Give what still runs back to the stream for another replica, at once: stop running it here, then mark
+        its entries long idle so the next XAUTOCLAIM of any replica takes them (without waiting claim_idle_s)."""
+        s = self.state
+        s.pulling.clear()
+        jobs = list(s.jobs.values())
+        for job in jobs:
+            s.commands.put(Drop(job))
+        self._wait_empty(timeout)
+        if not jobs:
+            return 0
+        pipe = s.redis.pipeline(transaction=False)
+        for job in jobs:
+            pipe.xclaim(s.keys.stream, s.keys.group, s.cfg.name, 0, [job.entry_id], idle=HANDED_BACK_IDLE_MS,
+                        justid=True)
+            pipe.delete(s.keys.owner(job.rid))
+        pipe.execute(raise_on_error=False)
+        return len(jobs)
 
     def stop(self, timeout: float = 5.0) -> None:
         s = self.state

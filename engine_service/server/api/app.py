@@ -31,10 +31,12 @@ def create_app(state: ServiceState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         yield
-        # Shutdown (after open HTTP streams ended): stop pulling, let running requests finish, stop.
+        # Shutdown (intake already stopped at the signal, see engine_cmd): let running requests finish within the
+        # grace period, hand the rest back to the stream for another replica, stop.
         if (replica := state.replica) is not None:
             if not await anyio.to_thread.run_sync(replica.drain, state.drain_timeout):
-                log.warning("shutdown: %d requests unfinished; other replicas will re-run them", len(replica.jobs))
+                handed = await anyio.to_thread.run_sync(replica.hand_back)
+                log.warning("shutdown: %d requests unfinished, handed back for other replicas", handed)
             await anyio.to_thread.run_sync(replica.stop)
         await state.client.close()
 
@@ -80,7 +82,7 @@ def create_app(state: ServiceState) -> FastAPI:
         redis_ok = True
         try:
             await asyncio.wait_for(state.client.redis.ping(), 2.0)
-        except (RedisError, OSError, asyncio.TimeoutError):
+        except (TimeoutError, RedisError, OSError):
             redis_ok = False
         body = {"model_loaded": state.replica is not None, "redis": redis_ok, "model": state.model_name,
                 "load_error": state.load_error}

@@ -14,8 +14,15 @@ from redis.exceptions import RedisError
 from engine_service.engine.sampling_params import SamplingParams
 from engine_service.server.api.state import APIError, ServiceState
 from shared.client import QueueFull, TextAccumulator
-from shared.openai_schema import (chat_chunk, chat_logprobs, chat_response, completion_chunk, completion_logprobs,
-                                  completion_response, error_body)
+from shared.openai_schema import (
+    chat_chunk,
+    chat_logprobs,
+    chat_response,
+    completion_chunk,
+    completion_logprobs,
+    completion_response,
+    error_body,
+)
 from shared.protocol import DoneEvent, ErrorEvent, GenerationRequest, TokenEvent
 
 # A request over a limit is a 400, as OpenAI and vLLM answer (413 is kept for HTTP bodies over the byte limit,
@@ -24,6 +31,8 @@ STATUS_BY_CODE = {"invalid_request": 400, "unsupported_version": 400, "limit_exc
                   "deadline_exceeded": 504, "timeout": 504, "unavailable": 503, "lost": 503, "engine_error": 500}
 
 
+FAILOVER_DIVERGED = ("the replica running this request failed and its re-run produced different text from what "
+                     "was already streamed; the stream ends here rather than mix two runs")
 RETRY_AFTER_S = 1  # a full queue drains at the engine's pace; clients back off from here (the openai client does)
 
 
@@ -124,16 +133,22 @@ async def _sse(state: ServiceState, sub, rid: str, model: str, chat: bool, want_
                     if not stream_tokens:
                         continue
                     delta = text.feed(ev)
+                    if text.diverged:
+                        break  # cancelled in `finally`; the client is told below
                     if delta:
                         yield chunk(ev.index, delta, logprobs=None if ev.reset else ev.logprobs)
                 elif isinstance(ev, DoneEvent):
+                    finals = [(c, text.final(c.index, c.text)) for c in ev.outputs]
+                    if text.diverged:
+                        break
                     finished = True
-                    for c in ev.outputs:
-                        yield chunk(c.index, text.final(c.index, c.text), c.finish_reason,
-                                    logprobs=None if stream_tokens else c.logprobs)
+                    for c, delta in finals:
+                        yield chunk(c.index, delta, c.finish_reason, logprobs=None if stream_tokens else c.logprobs)
                 else:
                     finished = True
                     yield data(error_body(ev.message, "server_error", ev.code))
+        if text.diverged:  # an append-only stream cannot take back what it sent: say so instead of mixing runs
+            yield data(error_body(FAILOVER_DIVERGED, "server_error", "failover_diverged"))
         yield "data: [DONE]\n\n"
     finally:
         if not finished:  # closed HTTP stream: cancel, shielded from the cancellation that got us here
