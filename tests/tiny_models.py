@@ -42,12 +42,14 @@ def make_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
                                    bos_token="<|im_start|>", eos_token="<|im_end|>", chat_template=CHAT_TEMPLATE)
 
 
-def make_model(arch: str, vocab_size: int, seed: int = 0, num_layers: int = 2, std: float = 0.3):
+def make_model(arch: str, vocab_size: int, seed: int = 0, num_layers: int = 2, std: float = 0.3, **config_kw):
+    """`config_kw` overrides the config (e.g. rope_parameters); the weights depend on the seed and sizes only."""
     config_cls, model_cls = ARCHS[arch]
-    config = config_cls(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        tie_word_embeddings=(arch == "llama"), bos_token_id=1, eos_token_id=2, pad_token_id=0, dtype="float32")
+    config = config_cls(**{
+        **dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+               tie_word_embeddings=(arch == "llama"), bos_token_id=1, eos_token_id=2, pad_token_id=0, dtype="float32"),
+        **config_kw})
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     gen = torch.Generator().manual_seed(seed)
@@ -58,10 +60,10 @@ def make_model(arch: str, vocab_size: int, seed: int = 0, num_layers: int = 2, s
     return model
 
 
-def save_tiny_model(out_dir: str | Path, arch: str, seed: int = 0, num_layers: int = 2) -> Path:
+def save_tiny_model(out_dir: str | Path, arch: str, seed: int = 0, num_layers: int = 2, **config_kw) -> Path:
     """Write a tiny random `arch` model plus tokenizer to out_dir as a HF directory; return the path."""
     out = Path(out_dir)
     tokenizer = make_tokenizer()
-    make_model(arch, len(tokenizer), seed=seed, num_layers=num_layers).save_pretrained(out)
+    make_model(arch, len(tokenizer), seed=seed, num_layers=num_layers, **config_kw).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out

@@ -6,10 +6,9 @@ from dataclasses import dataclass, field
 import pytest
 from hypothesis import Phase, event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, rule,
-                                 run_state_machine_as_test)
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
-from engine_service import block_manager as bm_module
+from engine_service.engine import block_manager as bm_module
 from engine_service.engine.block_manager import BlockManager, chain_hash
 
 

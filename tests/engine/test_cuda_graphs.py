@@ -5,6 +5,7 @@ import torch
 from engine_service import LLMEngine, SamplingParams
 from engine_service.cli import build_parser, engine_config_from_args
 from engine_service.engine.cuda_graphs import DecodeGraphs, capture_sizes, padded_size
+from tests.helpers import GREEDY
 
 
 def test_capture_sizes_are_powers_of_two_up_to_max_num_seqs():
@@ -28,7 +29,7 @@ def test_enforce_eager_flag_reaches_the_config_and_cpu_runners_have_no_graphs(ti
 
 
 def decode_step_inputs(engine: LLMEngine, prompt_lens: list[int]):
-    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=8)
+    params = SamplingParams(max_tokens=8, **GREEDY)
     for i, n in enumerate(prompt_lens):
         engine.add_request(str(i), [3 + (7 * i + j) % 500 for j in range(n)], params)
     engine.step()  # prefill all prompts and sample their first token
@@ -64,7 +65,7 @@ def test_padded_decode_batch_matches_unpadded_and_padding_writes_no_kv(tiny_llam
 def test_graphs_do_not_fit_prefill_oversized_or_too_wide_batches(tiny_llama_dir):
     engine = LLMEngine(model=str(tiny_llama_dir), num_kv_blocks=64, block_size=8)
     model, device = engine.runner.model, engine.runner.device
-    engine.add_request("p", [5, 6, 7], SamplingParams(temperature=0, ignore_eos=True, max_tokens=2))
+    engine.add_request("p", [5, 6, 7], SamplingParams(max_tokens=2, **GREEDY))
     prefill = engine.runner.prepare(engine.scheduler.schedule())[2]
     assert not DecodeGraphs(model, 4, 16, device).fits(3, prefill)
     engine.abort("p")

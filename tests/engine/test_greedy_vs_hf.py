@@ -1,17 +1,9 @@
 """Greedy token ids equal HF generate(do_sample=False) in fp32 under every scheduling path."""
-import random
-
 import pytest
 
 from engine_service import LLM, SamplingParams
-from hf_oracle import assert_greedy_matches, hf_greedy
-
-GREEDY = dict(temperature=0, ignore_eos=True)
-
-
-def random_prompts(n: int, lengths: list[int], vocab: int = 512, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(lengths[i % len(lengths)])] for i in range(n)]
+from tests.helpers import GREEDY, random_prompt
+from tests.hf_oracle import assert_greedy_matches, hf_greedy
 
 
 def check(model_dir, prompts, outputs, max_tokens) -> None:
@@ -26,7 +18,7 @@ def tiny_dir(request, tiny_llama_dir, tiny_qwen2_dir):
 
 
 def test_batch_of_ragged_prompts_matches_hf(tiny_dir):
-    prompts = random_prompts(6, [1, 5, 16, 17, 40, 70])
+    prompts = [random_prompt(n, seed=i) for i, n in enumerate([1, 5, 16, 17, 40, 70])]
     llm = LLM(str(tiny_dir), num_kv_blocks=256)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=24, **GREEDY))
     check(tiny_dir, prompts, outs, 24)
@@ -34,7 +26,7 @@ def test_batch_of_ragged_prompts_matches_hf(tiny_dir):
 
 def test_requests_added_mid_flight_match_hf(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), num_kv_blocks=256)
-    engine, prompts = llm.engine, random_prompts(5, [9, 23, 3, 33, 18], seed=1)
+    engine, prompts = llm.engine, [random_prompt(n, seed=10 + i) for i, n in enumerate([9, 23, 3, 33, 18])]
     params = SamplingParams(max_tokens=20, **GREEDY)
     finals, batch_sizes = {}, []
     for i, prompt in enumerate(prompts):
@@ -52,7 +44,7 @@ def test_requests_added_mid_flight_match_hf(tiny_llama_dir):
 
 def test_prefix_cache_hit_skips_prefill_and_matches_hf(tiny_qwen2_dir):
     llm = LLM(str(tiny_qwen2_dir), num_kv_blocks=256, block_size=8)
-    shared = random_prompts(1, [40], seed=2)[0]
+    shared = random_prompt(40, seed=2)
     prompts = [shared + [5, 6, 7], shared + [9, 10]]
     params = SamplingParams(max_tokens=12, **GREEDY)
     first = llm.generate({"prompt_token_ids": prompts[0]}, params)[0]
@@ -65,7 +57,7 @@ def test_prefix_cache_hit_skips_prefill_and_matches_hf(tiny_qwen2_dir):
 
 def test_fully_cached_prompt_recomputes_its_last_block(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), num_kv_blocks=64, block_size=8)
-    prompt = random_prompts(1, [32], seed=3)[0]
+    prompt = random_prompt(32, seed=3)
     params = SamplingParams(max_tokens=8, **GREEDY)
     a = llm.generate({"prompt_token_ids": prompt}, params)[0]
     b = llm.generate({"prompt_token_ids": prompt}, params)[0]
@@ -75,15 +67,30 @@ def test_fully_cached_prompt_recomputes_its_last_block(tiny_llama_dir):
 
 
 def test_chunked_prefill_mixed_with_decodes_matches_hf(tiny_dir):
-    llm = LLM(str(tiny_dir), num_kv_blocks=256, max_num_batched_tokens=16)
-    prompts = random_prompts(4, [3, 90, 7, 51], seed=4)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=16, **GREEDY))
-    assert llm.engine.num_steps > 90 // 16
-    check(tiny_dir, prompts, outs, 16)
+    budget = 16
+    engine = LLM(str(tiny_dir), num_kv_blocks=256, max_num_batched_tokens=budget).engine
+    prompts = [random_prompt(n, seed=40 + i) for i, n in enumerate([3, 90, 7, 51])]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=16, **GREEDY))
+    long = engine.requests["1"].seqs[0]  # 90 tokens: more than one step's budget
+    chunks, decoded_beside, finals = [], 0, {}
+    while long.num_computed_tokens < 90:  # until its prefill is done (that step samples its first token)
+        before = long.num_computed_tokens
+        outs = engine.step()
+        finals.update({o.request_id: o for o in outs if o.finished})
+        if (chunk := long.num_computed_tokens - before):
+            chunks.append(chunk)
+            decoded_beside += any(o.request_id != "1" and o.outputs[0].token_ids for o in outs)
+    # prefilled in several steps, none over the budget, while the short prompts already decoded
+    assert len(chunks) >= -(-90 // budget) and max(chunks) <= budget and sum(chunks) == 90, chunks
+    assert decoded_beside > 1
+    while engine.has_unfinished():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    check(tiny_dir, prompts, [finals[str(i)] for i in range(len(prompts))], 16)
 
 
 def test_forced_preemption_gives_the_same_tokens(tiny_llama_dir):
-    prompts = random_prompts(8, [20, 33, 12, 45], seed=5)
+    prompts = [random_prompt(n, seed=50 + i) for i, n in enumerate([20, 33, 12, 45] * 2)]
     params = SamplingParams(max_tokens=40, **GREEDY)
     roomy = LLM(str(tiny_llama_dir), num_kv_blocks=256, block_size=8).generate(
         [{"prompt_token_ids": p} for p in prompts], params)
@@ -107,9 +114,9 @@ def test_smollm2_batch_matches_hf(smollm2_dir):
 def test_a_request_waiting_for_blocks_counts_its_prefix_lookup_once(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), num_kv_blocks=8, block_size=8)
     engine = llm.engine
-    engine.add_request("big", random_prompts(1, [40], seed=6)[0], SamplingParams(max_tokens=16, **GREEDY))
+    engine.add_request("big", random_prompt(40, seed=6), SamplingParams(max_tokens=16, **GREEDY))
     engine.step()
-    engine.add_request("late", random_prompts(1, [20], seed=7)[0], SamplingParams(max_tokens=4, **GREEDY))
+    engine.add_request("late", random_prompt(20, seed=7), SamplingParams(max_tokens=4, **GREEDY))
     waited = 0
     while engine.has_unfinished():
         engine.step()

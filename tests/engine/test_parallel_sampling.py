@@ -1,15 +1,10 @@
 """Parallel sampling (n > 1): children fork the prompt's blocks and diverge with copy-on-write."""
-import random
 from collections import Counter
 
 import pytest
 
 from engine_service import LLM, SamplingParams
-
-
-def random_prompt(length: int, seed: int, vocab: int = 512) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, vocab) for _ in range(length)]
+from tests.helpers import random_prompt
 
 
 def sample_params(n: int, seed: int | None = 7, max_tokens: int = 12) -> SamplingParams:

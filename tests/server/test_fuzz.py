@@ -16,10 +16,9 @@ from hypothesis import strategies as st
 
 from shared.client import EngineClient
 from shared.keys import Keys
-from shared.protocol import (REQUEST_ID_PATTERN, DoneEvent, ErrorEvent, GenerationRequest, SamplingOptions,
-                             decode_event)
-
-from .conftest import Replica, run, wait_until
+from shared.protocol import REQUEST_ID_PATTERN, DoneEvent, ErrorEvent, GenerationRequest, SamplingOptions, decode_event
+from tests.helpers import GREEDY, run, wait_until
+from tests.replicas import Replica
 
 STREAM_EXAMPLES, HTTP_EXAMPLES = 120, 150
 # no shrinking: each failing try costs a wait on the replica; the first failing case is reported as it is
@@ -140,7 +139,7 @@ def test_fuzzed_stream_entries_each_get_one_clear_answer_and_the_replica_survive
     async def good():
         c = EngineClient(redis_server.url, keys)
         done = await c.generate(GenerationRequest(prompt="still fine", params=SamplingOptions(
-            max_tokens=3, temperature=0, ignore_eos=True)), timeout=20)
+            max_tokens=3, **GREEDY)), timeout=20)
         await c.close()
         return done
 

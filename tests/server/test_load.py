@@ -13,11 +13,10 @@ import redis.asyncio as aioredis
 
 from engine_service.bench.common import scrape_metrics
 from engine_service.engine.sampling_params import SamplingParams
-from hf_oracle import assert_greedy_matches
 from shared.client import EngineClient
 from shared.protocol import DoneEvent, GenerationRequest, SamplingOptions, TokenEvent, decode_event
-
-from .conftest import run, wait_until
+from tests.helpers import GREEDY, run, wait_until
+from tests.hf_oracle import assert_greedy_matches
 
 N_REQUESTS, N_CLIENTS, IN_FLIGHT = 500, 20, 4  # up to 80 requests out at once
 KV_BLOCKS = 40  # 640 token slots per replica for up to 16 sequences of up to ~100 tokens (x3 for beams)
@@ -118,7 +117,7 @@ def test_500_mixed_requests_through_two_small_replicas_complete_exactly_once_and
     assert len(greedy) > 250
     for q in greedy:
         alone = reference_engine.generate([{"prompt_token_ids": q.prompt}], SamplingParams(
-            temperature=0, ignore_eos=True, max_tokens=q.params.max_tokens))[0].outputs[0].token_ids
+            max_tokens=q.params.max_tokens, **GREEDY))[0].outputs[0].token_ids
         assert_greedy_matches(tiny_llama_dir, q.prompt, terminals[q.request_id][0].outputs[0].token_ids, alone)
 
     # the load was real: both replicas served, preempted, hit the prefix cache, batched
@@ -131,7 +130,7 @@ def test_500_mixed_requests_through_two_small_replicas_complete_exactly_once_and
 
     # drained: every block back (free again, cached ones included), nothing left running
     for replica in replicas:
-        wait_until(lambda: scrape_metrics(replica.url)["decodelab_kv_blocks[free]"] == idle[replica.name], 5,
+        wait_until(lambda r=replica: scrape_metrics(r.url)["decodelab_kv_blocks[free]"] == idle[r.name], 5,
                    what=f"replica {replica.name} free blocks back to idle")
         m = scrape_metrics(replica.url)
         assert m["decodelab_kv_blocks[used]"] == 0 and m["decodelab_replica_requests"] == 0

@@ -1,4 +1,5 @@
-"""`decodelab play`: private Redis + replica (+ web) come up, print the URL, and Ctrl-C leaves no process behind."""
+"""`decodelab play`: private Redis + replica + web come up, print the playground's URL, and Ctrl-C leaves no process
+behind."""
 import os
 import re
 import signal
@@ -9,8 +10,7 @@ import httpx
 import psutil
 
 from engine_service.server.redis_server import free_port
-
-from .conftest import ROOT, wait_until
+from tests.helpers import ROOT, wait_until
 
 
 def test_play_starts_everything_and_ctrl_c_stops_it_all(tiny_llama_dir, tmp_path):
@@ -27,14 +27,18 @@ def test_play_starts_everything_and_ctrl_c_stops_it_all(tiny_llama_dir, tmp_path
         wait_until(lambda: "is up" in log.read_text() or play.poll() is not None, 150, 0.2, "play to come up")
         text = log.read_text()
         assert play.poll() is None, text
-        assert re.search(r"redis: private redis-server on 127\.0\.0\.1:\d+", text)
+        redis_port = int(re.search(r"redis: private redis-server on 127\.0\.0\.1:(\d+)", text).group(1))
         url = re.search(r"is up: (http://\S+)", text).group(1)
         assert httpx.get(f"http://127.0.0.1:{engine_port}/ready", timeout=5).status_code == 200
-        if (ROOT / "web" / "app.py").exists():
-            assert url == f"http://127.0.0.1:{web_port}"
+        assert url == f"http://127.0.0.1:{web_port}"
+        page = httpx.get(url, timeout=30)  # the printed URL serves the playground (Gradio renders its config inline)
+        assert page.status_code == 200
+        assert 'content="DecodeLab playground"' in page.text and '"elem_id":"run"' in page.text
         children = psutil.Process(play.pid).children(recursive=True)
         names = " ".join(" ".join(c.cmdline()) for c in children)
-        assert "redis-server" in names and " engine " in names
+        assert " engine " in names and " web " in names
+        listening = {conn.laddr.port for c in children for conn in c.net_connections("tcp") if conn.status == "LISTEN"}
+        assert redis_port in listening  # the private Redis-protocol server (its binary's name may vary)
         play.send_signal(signal.SIGINT)
         assert play.wait(60) == 0
         gone, alive = psutil.wait_procs(children, timeout=10)

@@ -7,8 +7,21 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from shared.keys import Keys
-from shared.protocol import (PROTOCOL_VERSION, ChatMessage, Completion, DoneEvent, ErrorEvent, GenerationRequest,
-                             Metrics, SamplingOptions, TokenEvent, TokenLogprob, decode_event, decode_request, encode)
+from shared.protocol import (
+    PROTOCOL_VERSION,
+    ChatMessage,
+    Completion,
+    DoneEvent,
+    ErrorEvent,
+    GenerationRequest,
+    Metrics,
+    SamplingOptions,
+    TokenEvent,
+    TokenLogprob,
+    decode_event,
+    decode_request,
+    encode,
+)
 
 texts = st.text(max_size=40)
 ids = st.lists(st.integers(0, 1 << 20), max_size=8)

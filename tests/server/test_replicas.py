@@ -6,14 +6,11 @@ from collections import Counter
 
 import redis.asyncio as aioredis
 
-from engine_service.server.redis_server import RedisServer
 from engine_service.engine.sampling_params import SamplingParams
+from engine_service.server.redis_server import RedisServer
 from shared.client import EngineClient
 from shared.protocol import DoneEvent, GenerationRequest, SamplingOptions, TokenEvent, decode_event
-
-from .conftest import run
-
-GREEDY = dict(temperature=0, ignore_eos=True)
+from tests.helpers import GREEDY, run
 
 
 def test_kill_9_of_a_replica_mid_generation_every_request_completes_exactly_once(

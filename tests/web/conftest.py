@@ -1,7 +1,7 @@
 """Web fixtures: a real redis-server, real engine replicas (`decodelab engine` subprocesses), the playground in-process.
 
-Two stacks share one Redis under different key prefixes: a tiny random model (fast, exact checks against the
-in-process engine) and SmolLM2 (real text, for the browser test and its screenshot).
+Two stacks share the session's Redis (tests/conftest.py) under different key prefixes: a tiny random model
+(fast, exact checks against the in-process engine) and SmolLM2 (real text, for the browser test and its screenshot).
 """
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
 
 import pytest  # noqa: E402
 
-from engine_service.server.redis_server import RedisServer, free_port  # noqa: E402
-from replicas import ROOT, Replica, wait_until  # noqa: E402,F401  (re-exported for the tests)
+from engine_service.server.redis_server import free_port  # noqa: E402
 from shared.keys import Keys  # noqa: E402
+from tests.replicas import Replica  # noqa: E402
 
 TINY_KV_BLOCKS = 256
 
@@ -33,12 +33,6 @@ class WebApp:
 
     def close(self) -> None:
         self.demo.close()
-
-
-@pytest.fixture(scope="session")
-def redis_server():
-    with RedisServer() as server:
-        yield server
 
 
 def _keys(name: str) -> Keys:

@@ -1,8 +1,6 @@
 """What the playground reads from Redis besides the streams: queue positions, and a replica that goes away."""
 from __future__ import annotations
 
-import asyncio
-
 import redis
 import redis.asyncio as aioredis
 from gradio_client import Client
@@ -10,8 +8,9 @@ from gradio_client import Client
 from shared import monitor
 from shared.client import EngineClient
 from shared.protocol import GenerationRequest
+from tests.helpers import run, wait_until
 
-from .conftest import TINY_KV_BLOCKS, WebApp, _keys, wait_until
+from .conftest import TINY_KV_BLOCKS, WebApp, _keys
 
 
 def test_queue_position_counts_the_entries_no_replica_has_taken(redis_server):
@@ -25,19 +24,20 @@ def test_queue_position_counts_the_entries_no_replica_has_taken(redis_server):
         await r.xreadgroup(keys.group, "replica-a", {keys.stream: ">"}, count=1)  # a replica takes the first
         assert [await monitor.queue_position(r, keys, s.entry_id) for s in subs] == [None, 1, 2]
         for s in subs:
-            await s.pubsub.aclose()
-        await r.aclose()
+            await s.close()
+        await client.close()  # its subscriber task, then the Redis client it was given
 
-    asyncio.run(asyncio.wait_for(main(), 10))
+    run(main(), 10)
 
 
 def test_a_replica_that_goes_away_mid_run_ends_the_run_with_a_message(redis_server, tiny_llama_dir):
     from engine_service.engine.llm_engine import LLMEngine
-    from engine_service.server.worker import Worker, WorkerConfig
+    from engine_service.server.config import ReplicaConfig
+    from engine_service.server.replica import Replica
 
     keys = _keys("dies")
     engine = LLMEngine(model=str(tiny_llama_dir), num_kv_blocks=TINY_KV_BLOCKS, max_num_seqs=16, num_threads=1)
-    worker = Worker(engine, WorkerConfig(redis_server.url, keys=keys, name="doomed", model_name="tiny",
+    worker = Replica(engine, ReplicaConfig(redis_server.url, keys=keys, name="doomed", model_name="tiny",
                                          claim_idle_s=2.0)).start()
     web = WebApp(redis_server.url, keys, replica_gone_s=1.0)
     try:
@@ -68,15 +68,15 @@ def test_a_session_over_its_request_limit_sees_too_many_requests_not_queue_full(
     from web.session import Run, Service
 
     monkeypatch.setenv("DECODELAB_MAX_PER_CLIENT", "1")  # no replica: the first request stays queued
-    run = Run(Service(redis_server.url, _keys("busy")), Settings(prompt="x", chat=False), share_prompt=False,
-              client_id="session-1")
+    session_run = Run(Service(redis_server.url, _keys("busy")), Settings(prompt="x", chat=False),
+                      share_prompt=False, client_id="session-1")
 
     async def main():
-        async for _ in run.updates(min_interval=0.01):
-            failed = [c for c in run.columns.values() if c.status == "error"]
+        async for _ in session_run.updates(min_interval=0.01):
+            failed = [c for c in session_run.columns.values() if c.status == "error"]
             if len(failed) == 3:
                 assert all(c.error_code == "too_many_requests" and "session-1" in c.error for c in failed), failed
-                run.stop()
-        assert [c.status for c in run.columns.values()].count("cancelled") == 1
+                session_run.stop()
+        assert [c.status for c in session_run.columns.values()].count("cancelled") == 1
 
-    asyncio.run(asyncio.wait_for(main(), 20))
+    run(main(), 20)

@@ -5,14 +5,14 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import psutil
 from gradio_client import Client
 
-from engine_service.server.redis_server import free_port
-
-from .conftest import ROOT, wait_until
+from engine_service.server.redis_server import free_port, redis_server_binary
+from tests.helpers import ROOT, wait_until
 
 
 def test_space_app_serves_the_playground_and_cleans_up(tiny_llama_dir, tmp_path):
@@ -42,7 +42,8 @@ def test_space_app_serves_the_playground_and_cleans_up(tiny_llama_dir, tmp_path)
         result = wait_until(answered, 60, 0.5, "the replica to answer")
         assert result[-1]["columns"]["greedy"]["status"] == "done"
         children = psutil.Process(space.pid).children(recursive=True)
-        assert any("redis-server" in " ".join(c.cmdline()) for c in children)
+        server = Path(redis_server_binary()).name  # valkey-server, or what DECODELAB_REDIS_SERVER names
+        assert any(server in " ".join(c.cmdline()) for c in children)
         space.send_signal(signal.SIGTERM)
         assert space.wait(30) == 0
         _, alive = psutil.wait_procs(children, timeout=15)

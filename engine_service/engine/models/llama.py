@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_service.engine.attention import AttentionMetadata, PagedAttention
+from engine_service.engine.models.loader import head_dim as head_dim_of
 from engine_service.engine.models.packed_linear import Linear, pack_weight, packed_linear
 
 
@@ -31,7 +32,7 @@ def rope_tables(config, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]
     """cos/sin [max_positions, head_dim] for the config's theta and scaling (llama3, linear, yarn, ...)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = head_dim_of(config)
     params = getattr(config, "rope_parameters", None) or {}
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
@@ -39,7 +40,9 @@ def rope_tables(config, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
         scaling = 1.0
     else:
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        # no device argument: the tensors land on the current default device, like the branch above
+        # (the meta device while ModelRunner builds the model; "cpu" would copy out of meta and fail)
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
         inv_freq = inv_freq.double()
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
@@ -58,7 +61,7 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.head_dim = head_dim_of(config)
         bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=bias)
@@ -106,7 +109,8 @@ class DecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     def __init__(self, config, backend: str = "torch"):
         super().__init__()
-        assert config.model_type in ("llama", "qwen2"), f"unsupported architecture {config.model_type}"
+        if config.model_type not in ("llama", "qwen2"):
+            raise ValueError(f"model_type: {config.model_type!r} is not supported (llama or qwen2)")
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_hidden_layers))
@@ -148,7 +152,9 @@ class CausalLM(nn.Module):
         loaded = set()
 
         def put(name: str, tensor: torch.Tensor) -> None:
-            assert own[name].shape == tensor.shape, f"{name}: {tuple(tensor.shape)} != {tuple(own[name].shape)}"
+            if own[name].shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, "
+                                 f"the config gives {tuple(own[name].shape)}")
             own[name].data.copy_(tensor)
             loaded.add(name)
 
@@ -168,4 +174,5 @@ class CausalLM(nn.Module):
                 fuse(p + "self_attn.", ["q_proj", "k_proj", "v_proj"], suffix, f"layers.{i}.self_attn.qkv_proj.{suffix}")
             fuse(p + "mlp.", ["gate_proj", "up_proj"], "weight", f"layers.{i}.mlp.gate_up_proj.weight")
         missing = set(own) - loaded
-        assert not missing, f"weights missing from the checkpoint: {sorted(missing)[:5]}"
+        if missing:
+            raise ValueError(f"weights: missing from the checkpoint: {sorted(missing)[:5]}")

@@ -1,0 +1,34 @@
+"""Helpers shared by the test suites: greedy options, random prompts, bounded waits, the repository root."""
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Greedy to the full max_tokens (no early EOS), as keyword arguments: SamplingParams(max_tokens=8, **GREEDY),
+# SamplingOptions(**GREEDY) and OpenAI request bodies all take them.
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def random_prompt(length: int, seed: int, vocab: int = 512) -> list[int]:
+    """`length` random token ids in [3, vocab): never 0-2, the pad/bos/eos ids of tests/tiny_models.py."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(length)]
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.02, what: str = "condition"):
+    """Poll `predicate` until it returns something truthy (returned); AssertionError after `timeout` seconds."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if (value := predicate()):
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def run(coro, timeout: float = 60.0):
+    """Run a coroutine to completion with a hard timeout (every wait in these tests is bounded)."""
+    return asyncio.run(asyncio.wait_for(coro, timeout))
