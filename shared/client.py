@@ -34,8 +34,8 @@ from shared.scripts import SUBMIT
 from shared.subscriber import RECONNECTED, Subscriber
 
 
-def connect(url: str, max_connections: int = 64, pool_timeout: float = 10.0, socket_timeout: float = 10.0,
-            connect_timeout: float = 2.0, client_name: str | None = None) -> aioredis.Redis:
+def connect(url: str, max_connections: int = 128, pool_timeout: float = 30.0, socket_timeout: float = 10.0,
+            connect_timeout: float = 5.0, client_name: str | None = None) -> aioredis.Redis:
     """A Redis client whose every call is bounded: connecting, each reply, and the wait for a pooled connection.
     `client_name` names its connections in CLIENT LIST."""
     pool = aioredis.BlockingConnectionPool.from_url(
@@ -186,14 +186,18 @@ class EngineClient:
             await pipe.execute()
 
     async def _recover(self, sub: Submission) -> TerminalEvent | bool:
-        """The result if there is one, else whether Redis still knows the request (queued or owned by a replica)."""
+        """The result if there is one, else whether Redis still knows the request (queued or owned by a replica).
+        One round trip: thousands of waiting streams run this every few seconds."""
         rid = sub.request_id
-        if (done := await self.result(rid)) is not None:
-            return done
-        if await self.redis.exists(self.keys.owner(rid)) or await self.redis.xrange(
-                self.keys.stream, sub.entry_id, sub.entry_id):
-            return True
-        return await self.result(rid) or False  # it may have finished between the checks
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.get(self.keys.result(rid))
+            pipe.exists(self.keys.owner(rid))
+            pipe.xrange(self.keys.stream, sub.entry_id, sub.entry_id)
+            pipe.get(self.keys.result(rid))  # it may have finished between the checks
+            done, owned, queued, done_after = await pipe.execute()
+        if (data := done or done_after) is not None:
+            return decode_event(data)
+        return bool(owned or queued)
 
     async def stream(self, sub: Submission, timeout: float | None = None
                      ) -> AsyncIterator[TokenEvent | DoneEvent | ErrorEvent]:
@@ -243,8 +247,11 @@ class EngineClient:
                     unreachable = True  # keep trying until the deadline; the subscriber reconnects meanwhile
                     await asyncio.sleep(0.1)
                     continue
+                # sleep until an event, the next silence check or the deadline: thousands of waiting streams must
+                # not each wake up several times a second
+                wait = min(self.recover_after - (time.monotonic() - last_heard), end - time.monotonic())
                 try:
-                    data = await asyncio.wait_for(sub.events.get(), min(0.5, max(0.01, end - now)))
+                    data = await asyncio.wait_for(sub.events.get(), max(0.01, wait))
                 except TimeoutError:
                     continue
                 if data is RECONNECTED:  # events may have been lost while the connection was down

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 log = logging.getLogger("decodelab.subscriber")
@@ -42,13 +44,16 @@ class Subscriber:
             raise RuntimeError("subscriber closed")
         if channel in self._queues:
             raise ValueError(f"channel {channel!r} is already subscribed")
-        self._ensure_reader()
-        await asyncio.wait_for(self._connected.wait(), self.confirm_timeout)
         queue: asyncio.Queue = asyncio.Queue()
         confirmed = asyncio.get_running_loop().create_future()
+        # registered before the reader is (re)started: a reader only stops when no channel is registered
         self._queues[channel], self._waiting[channel] = queue, confirmed
         try:
-            await self._pubsub.subscribe(channel)
+            self._ensure_reader()
+            await asyncio.wait_for(self._connected.wait(), self.confirm_timeout)
+            if (pubsub := self._pubsub) is None:
+                raise RedisConnectionError("pub/sub connection lost while subscribing")
+            await pubsub.subscribe(channel)
             await asyncio.wait_for(asyncio.shield(confirmed), self.confirm_timeout)
         except BaseException:
             await self.unsubscribe(channel)
@@ -71,13 +76,14 @@ class Subscriber:
     async def _connect(self) -> None:
         self._pubsub = self.redis.pubsub()
         await self._pubsub.connect()
-        for channel in list(self._queues):
-            await self._pubsub.subscribe(channel)
+        if self._queues:  # every channel, those still waiting for their confirmation too (a repeat is harmless)
+            await self._pubsub.subscribe(*self._queues)
         self._connected.set()
 
     async def _run(self) -> None:
-        delay = 0.05
-        first = True
+        """Read and route until closed; with no channel left for a second, close the connection and stop (the next
+        subscribe starts a new reader), so an idle client holds no connection and leaves no task behind."""
+        delay, first, idle_since = 0.05, True, None
         while not self._closed:
             try:
                 if self._pubsub is None:
@@ -87,13 +93,24 @@ class Subscriber:
                         for queue in list(self._queues.values()):
                             queue.put_nowait(RECONNECTED)
                     first, delay = False, 0.05
-                msg = await self._pubsub.get_message(timeout=1.0)
+                msg = await self._pubsub.get_message(timeout=0.25)
                 if msg is not None:
                     self._route(msg)
+                if self._queues:
+                    idle_since = None
+                elif idle_since is None:
+                    idle_since = time.monotonic()
+                elif time.monotonic() - idle_since > 1.0:
+                    self._connected.clear()
+                    await self._drop_connection()
+                    if not self._queues:  # (nobody subscribed while the connection closed)
+                        self._reader = None
+                        return
+                    idle_since = None
             except asyncio.CancelledError:
                 raise
-            except (RedisError, OSError) as e:
-                log.warning("pub/sub connection lost (%s); reconnecting in %.2fs", e, delay)
+            except Exception as e:  # Redis gone, a closed pool, ...: never a silent dead reader
+                log.warning("pub/sub connection lost (%s: %s); reconnecting in %.2fs", type(e).__name__, e, delay)
                 self._connected.clear()
                 await self._drop_connection()
                 await asyncio.sleep(delay)

@@ -24,7 +24,8 @@ INTRO = ("<h1>DecodeLab</h1><p>One prompt, four ways to decode it, streamed side
          "Below, the KV cache the four requests share.</p>")
 HEADERS = {
     "greedy": ("Greedy", "Takes the most likely token at every step. Deterministic: the baseline."),
-    "beam": ("Beam search", "Keeps the <i>width</i> best partial answers, ranked by log-probability / length<sup>α</sup>."),
+    "beam": ("Beam search",
+             "Keeps the <i>width</i> best partial answers, ranked by log-probability / length<sup>α</sup>."),
     "sample": ("Sampling", "Draws each token from the distribution, reshaped by temperature, top-k, top-p and min-p."),
     "speculative": ("Speculative", "A cheap proposer drafts k tokens, the model checks them in one pass. "
                                    "Same text as greedy, fewer steps."),

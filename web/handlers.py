@@ -24,7 +24,8 @@ def _where(url: str) -> str:
 
 def service_html(service: Service, ok: bool, live: dict[str, dict]) -> str:
     if not ok:
-        return f'<div class="svc bad" role="alert"><span class="dot"></span>Redis unreachable at {_where(service.redis_url)}</div>'
+        return ('<div class="svc bad" role="alert"><span class="dot"></span>'
+                f'Redis unreachable at {_where(service.redis_url)}</div>')
     if not live:
         return ('<div class="svc bad" role="alert"><span class="dot"></span>No engine replica connected '
                 '(start <code>decodelab engine</code>; a model may still be loading)</div>')

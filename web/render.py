@@ -97,9 +97,10 @@ def _spec_html(col: Column, greedy: Column | None, k: int) -> str:
         speed = greedy.tpot / col.tpot
     bar = "".join(f'<i class="m-{m}" style="flex:{counts.get(m, 0)}" title="{m}: {counts.get(m, 0)}"></i>'
                   for m in ("accepted", "bonus", "resampled", "target") if counts.get(m))
+    drafted = _num(counts.get("accepted", 0) / total * 100, ".0f", "%")
     return (f'<div class="spec"><div class="mts">'
             f'{_metric(rate_s, "acceptance", "draft tokens accepted / draft tokens proposed")}'
-            f'{_metric(_num(counts.get("accepted", 0) / total * 100, ".0f", "%"), "from draft", "share of the output the proposer wrote")}'
+            f'{_metric(drafted, "from draft", "share of the output the proposer wrote")}'
             f'{_metric(_num(speed, ".2f", "×"), "vs greedy", "decode speed-up: greedy TPOT / speculative TPOT")}'
             f'</div><div class="specbar">{bar}</div>'
             '<div class="legend"><span class="tk m-accepted">accepted</span> <span class="tk m-resampled">'

@@ -10,7 +10,6 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from shared import monitor
@@ -49,13 +48,13 @@ class Service:
         try:
             await asyncio.wait_for(r.ping(), 2.0)
             return True, await asyncio.wait_for(monitor.replicas(r, self.keys), 2.0)
-        except (RedisError, OSError, asyncio.TimeoutError):
+        except (TimeoutError, RedisError, OSError):
             return False, {}
 
     async def kv(self) -> list[KVSnapshot]:
         try:
             return await asyncio.wait_for(monitor.kv_snapshots(self.client().redis, self.keys), 2.0)
-        except (RedisError, OSError, asyncio.TimeoutError):
+        except (TimeoutError, RedisError, OSError):
             return []
 
 
@@ -152,7 +151,7 @@ class Run:
             except QueueFull as e:
                 col.fail(str(e), e.code)  # queue_full, or too_many_requests for this browser session
                 return
-            except (RedisError, OSError, asyncio.TimeoutError) as e:
+            except (TimeoutError, RedisError, OSError) as e:
                 col.fail(f"Redis unreachable: {e or type(e).__name__}", "unavailable")
                 return
             col.entry_id = sub.entry_id

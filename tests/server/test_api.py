@@ -92,8 +92,9 @@ BAD = [
     ({"model": "gpt-9", "prompt": "x"}, 404, "gpt-9"),
     ({"model": "tiny"}, 400, "prompt"),
     ({"prompt": "x"}, 400, "model"),
-    ({"model": "tiny", "prompt": "x", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
-    ({"model": "tiny", "prompt": "x", "unheard_of": 1}, 400, "unheard_of"),
+    ({"model": "tiny", "prompt": "x", "frequency_penalty": 2.5}, 400, "frequency_penalty"),
+    ({"model": "tiny", "prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ({"model": "tiny", "prompt": "x", "response_format": {"type": "json_object"}}, 400, "structured output"),
     ({"model": "tiny", "prompt": "x", "stop": ["a"] * 17}, 400, "stop"),  # the body allows it, the protocol does not
     ({"model": "tiny", "prompt": "x", "top_k": 1 << 63}, 400, "top_k"),  # would overflow the sampler's int64
     ({"model": "tiny", "prompt": "x", "mode": "beam", "temperature": 0, "length_penalty": 1e308}, 400, "length"),
@@ -127,6 +128,21 @@ def test_a_full_queue_answers_429_with_retry_after(api):
     r = http.post("/v1/completions", json={"model": "tiny", "prompt": "x"})
     assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
     assert int(r.headers["retry-after"]) >= 1
+
+
+def test_beyond_the_inflight_bound_the_api_answers_429_with_retry_after(api):
+    state, http = api
+    state.max_inflight = 1
+    body = {"model": "tiny", "prompt": "hold", "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as held:
+        lines = held.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        r = http.post("/v1/completions", json={**body, "max_tokens": 2})
+        assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_requests", r.text
+        assert r.headers["retry-after"] == "1"
+    # closing the stream ends that generation (the server notices the disconnect), which frees the slot
+    wait_until(lambda: http.post("/v1/completions", json={**body, "max_tokens": 2}).status_code == 200, 10, 0.2,
+               "the slot freed")
 
 
 def test_unknown_routes_and_methods_answer_openai_shaped_errors(api):

@@ -16,8 +16,9 @@ from pydantic import ValidationError
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine_service.server.api.admission import Admission
 from engine_service.server.api.body_limit import BodyLimit
-from engine_service.server.api.openai import client_id, serve
+from engine_service.server.api.openai import chat_completions, completions
 from engine_service.server.api.state import APIError, ServiceState
 from engine_service.server.metrics import EngineCollector
 from shared.openai_schema import ChatBody, CompletionBody, error_body
@@ -63,6 +64,11 @@ def create_app(state: ServiceState) -> FastAPI:
     async def _protocol_error(_: Request, e: ValidationError) -> JSONResponse:
         return JSONResponse(error_body(validation_message(e.errors()), "invalid_request_error"), status_code=400)
 
+    @app.exception_handler(Exception)  # a bug: still an OpenAI-shaped 500 (Starlette logs the traceback)
+    async def _internal_error(_: Request, e: Exception) -> JSONResponse:
+        return JSONResponse(error_body(f"internal error: {type(e).__name__}", "server_error", "internal_error"),
+                            status_code=500)
+
     # A dependency, not an HTTP middleware: BaseHTTPMiddleware hides client disconnects from the endpoints.
     async def check_api_key(request: Request) -> None:
         if state.api_key:
@@ -71,6 +77,7 @@ def create_app(state: ServiceState) -> FastAPI:
                 raise APIError(401, "invalid API key", "authentication_error")
 
     app.add_middleware(BodyLimit, why_too_large=lambda n: state.limits.check_size(n))
+    app.add_middleware(Admission, limit=lambda: state.max_inflight)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
 
     @app.get("/health")
@@ -98,14 +105,12 @@ def create_app(state: ServiceState) -> FastAPI:
                                             "owned_by": "decodelab"}]}
 
     @v1.post("/completions")
-    async def completions(body: CompletionBody, http: Request):
-        return await serve(state, http, body, body.to_request(client_id(http)), chat=False,
-                           want_logprobs=body.logprobs is not None)
+    async def completion_route(body: CompletionBody, http: Request):
+        return await completions(state, http, body)
 
     @v1.post("/chat/completions")
-    async def chat_completions(body: ChatBody, http: Request):
-        request = body.to_request(state.default_max_tokens, client_id(http))
-        return await serve(state, http, body, request, chat=True, want_logprobs=body.logprobs)
+    async def chat_route(body: ChatBody, http: Request):
+        return await chat_completions(state, http, body)
 
     app.include_router(v1)
     return app

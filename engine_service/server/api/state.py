@@ -28,6 +28,8 @@ class ServiceState:
     default_max_tokens: int = 256
     request_timeout: float = 600.0
     drain_timeout: float = 30.0
+    max_inflight: int = 4096  # generation requests open at once in this process (api/admission.py)
+    sse_keepalive_s: float = 5.0  # a stream with no event for this long gets a `: keep-alive` comment
     limits: Limits = field(default_factory=Limits.from_env)
     replica: Replica | None = None  # set once the model is loaded
     load_error: str | None = None
