@@ -19,6 +19,7 @@ from engine_service.engine.sampling_params import SamplingParams
 from engine_service.engine.scheduler import Scheduler
 from engine_service.engine.sequence import Request, Sequence
 from engine_service.engine.spec_decode import SpecDecoder, SpecStats
+from engine_service.engine.stats import EngineStats
 from engine_service.engine.utils import cdiv
 
 
@@ -292,16 +293,6 @@ class LLMEngine:
             self.requests.pop(req.request_id, None)
         return request_output(req, self.detok, finished, error)
 
-    def stats(self) -> dict:
-        return {
-            **self.block_manager.summary(),
-            "block_size": self.config.block_size,
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "num_requests": len(self.requests),
-            "preemptions": self.scheduler.num_preemptions,
-            "steps": self.num_steps,
-            **{f"spec_{k}": v for k, v in self.spec.totals.to_dict().items() if k not in ("proposer", "num_speculative_tokens")},
-            **(self.spec.drafter.summary() if self.spec.drafter is not None else {}),
-        }
+    def stats(self) -> EngineStats:
+        return EngineStats.of(self)
 

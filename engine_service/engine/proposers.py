@@ -7,7 +7,8 @@
   pool) and BlockManager (block tables). Each target sequence has a `DraftSeq` mirror in the draft
   cache; before proposing, the mirror is cut back to the longest prefix it still shares with the
   target (rejected drafts roll back there), then k autoregressive draft steps run, batched over all
-  sequences that asked for a proposal.
+  sequences that asked for a proposal. A sampling request's draft at position t is argmax(q_t / E_t)
+  with the noise E_t the target draws with at t (spec_decode: the coupling).
 """
 from dataclasses import dataclass, field
 
@@ -17,7 +18,7 @@ import torch
 from engine_service.engine.block_manager import BlockManager
 from engine_service.engine.config import EngineConfig
 from engine_service.engine.model_runner import ModelRunner
-from engine_service.engine.sampler import SamplingBatch, process_logits
+from engine_service.engine.sampler import SamplingBatch, position_noise, process_logits
 from engine_service.engine.scheduler import ScheduledBatch
 from engine_service.engine.sequence import Request, Sequence
 
@@ -92,12 +93,11 @@ class DraftModel:
         return mirror
 
     @torch.inference_mode()
-    def propose(self, items: list[tuple[Sequence, int]], sampling_batch) -> list[tuple[list[int], torch.Tensor | None]]:
-        """Up to k draft tokens per (sequence, k), with the draft's probabilities (None when greedy).
-        `sampling_batch(contexts)` builds the same processors the target applies."""
+    def propose(self, items: list[tuple[Sequence, int]], sampling_batch) -> list[list[int]]:
+        """Up to k draft tokens per (sequence, k). `sampling_batch(contexts)` builds the same processors
+        the target applies."""
         mirrors = [self._sync(seq) for seq, _ in items]
         drafts: list[list[int]] = [[] for _ in items]
-        probs: list[list[torch.Tensor]] = [[] for _ in items]
         active = list(range(len(items)))
         while active:
             batch, live = ScheduledBatch(), []
@@ -123,18 +123,13 @@ class DraftModel:
                                                         items[i][0].generator) for i in live])
             processed = process_logits(logits[rows], sb)
             for row, i in enumerate(live):
-                seq = items[i][0]
-                if seq.request.params.greedy:
-                    token = int(processed[row].argmax())
-                else:
-                    q = processed[row].softmax(-1)
-                    token = int(torch.multinomial(q, 1, generator=seq.generator))
-                    probs[i].append(q)
+                seq, scores = items[i][0], processed[row]
+                if not seq.request.params.greedy:  # the exponential race with the target's noise at this position
+                    noise = position_noise(seq.spec_seed, mirrors[i].num_tokens, scores.shape[0])
+                    scores = scores.softmax(-1) / noise.to(scores.device)
+                token = int(scores.argmax())
                 drafts[i].append(token)
                 mirrors[i].token_ids.append(token)
             active = [i for i in live if len(drafts[i]) < items[i][1]]
-        return [(d, torch.stack(p) if p else None) for d, p in zip(drafts, probs)]
+        return drafts
 
-    def summary(self) -> dict:
-        s = self.bm.summary()
-        return {"draft_blocks_total": s["blocks_total"], "draft_blocks_used": s["blocks_used"]}

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import time
 
+from engine_service.engine.stats import EngineStats
 from engine_service.engine.utils import cdiv
 from shared.monitor import KV_MAP_LIMIT, KVSeq, KVSnapshot
 
 
-def kv_snapshot(engine, replica: str, model: str, stats: dict | None = None) -> KVSnapshot:
+def kv_snapshot(engine, replica: str, model: str, stats: EngineStats | None = None) -> KVSnapshot:
     """Every sequence's block table, the prefix-cached block ids and engine.stats(); touches the engine."""
     sched, bm = engine.scheduler, engine.block_manager
     seqs = []
@@ -21,5 +22,5 @@ def kv_snapshot(engine, replica: str, model: str, stats: dict | None = None) -> 
     map_size = min(bm.num_blocks, KV_MAP_LIMIT, max(64, cdiv(highest + 1, 32) * 32))
     stats = stats if stats is not None else engine.stats()
     return KVSnapshot(replica=replica, model=model, at=time.time(), block_size=engine.config.block_size,
-                      stats={k: v for k, v in stats.items() if isinstance(v, (int, float))}, map_size=map_size,
+                      stats=stats.to_dict(), map_size=map_size,
                       cached=sorted(b for b in cached if b < map_size), seqs=seqs)

@@ -40,25 +40,25 @@ class EngineCollector:
         st = state.stats
         blocks = GaugeMetricFamily("decodelab_kv_blocks", "KV cache blocks by state", labels=["state"])
         for name in ("total", "used", "shared", "cached", "free"):
-            blocks.add_metric([name], st.get(f"blocks_{name}", 0))
+            blocks.add_metric([name], getattr(st, f"blocks_{name}"))
         yield blocks
-        queries, hits = st.get("prefix_queries", 0), st.get("prefix_hits", 0)
+        queries, hits = st.prefix_queries, st.prefix_hits
         yield CounterMetricFamily("decodelab_prefix_cache_queries", "Prefix-cache block lookups", value=queries)
         yield CounterMetricFamily("decodelab_prefix_cache_hits", "Prefix-cache block hits", value=hits)
         yield GaugeMetricFamily("decodelab_prefix_cache_hit_rate", "hits / queries",
                                 value=hits / queries if queries else 0)
-        yield CounterMetricFamily("decodelab_preemptions", "Sequences preempted", value=st.get("preemptions", 0))
-        yield CounterMetricFamily("decodelab_cow_copies", "Copy-on-write block copies", value=st.get("cow_copies", 0))
-        proposed, accepted = st.get("spec_proposed"), st.get("spec_accepted")
-        if proposed is not None and accepted is not None:
+        yield CounterMetricFamily("decodelab_preemptions", "Sequences preempted", value=st.preemptions)
+        yield CounterMetricFamily("decodelab_cow_copies", "Copy-on-write block copies", value=st.cow_copies)
+        proposed, accepted = st.spec_proposed, st.spec_accepted
+        if proposed:
             yield CounterMetricFamily("decodelab_spec_proposed_tokens", "Draft tokens proposed", value=proposed)
             yield CounterMetricFamily("decodelab_spec_accepted_tokens", "Draft tokens accepted", value=accepted)
             yield GaugeMetricFamily("decodelab_spec_acceptance_rate", "accepted / proposed",
                                     value=accepted / proposed if proposed else 0)
         yield GaugeMetricFamily("decodelab_num_running", "Sequences running in the batch",
-                                value=st.get("num_running", 0))
+                                value=st.num_running)
         yield GaugeMetricFamily("decodelab_num_waiting", "Requests waiting inside the engine",
-                                value=st.get("num_waiting", 0))
+                                value=st.num_waiting)
         yield GaugeMetricFamily("decodelab_replica_requests", "Requests held by this replica", value=len(state.jobs))
         yield GaugeMetricFamily("decodelab_queue_length", "Requests waiting in the Redis stream for any replica",
                                 value=state.queue_length)

@@ -31,7 +31,7 @@ class Replica:
                                       socket_connect_timeout=2, socket_timeout=config.read_block_ms / 1000 + 5,
                                       health_check_interval=5)
         self.state = ReplicaState(engine, config, metrics or ReplicaMetrics(CollectorRegistry()), client,
-                                  stats=engine.stats())
+                                  engine.stats())
         self.state.pulling.set()
         self.roles = {"intake": Intake(self.state), "engine": EngineLoop(self.state),
                       "publish": Publisher(self.state), "control": Control(self.state)}

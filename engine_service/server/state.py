@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import redis
 
+from engine_service.engine.stats import EngineStats
 from engine_service.engine.utils import cdiv
 from engine_service.server.config import ReplicaConfig
 from engine_service.server.jobs import Command, Finish, Job, OutboxItem
@@ -26,12 +27,12 @@ class ReplicaState:
     cfg: ReplicaConfig
     metrics: ReplicaMetrics
     redis: redis.Redis
+    stats: EngineStats  # the engine's latest stats(), refreshed by the engine thread
     jobs: dict[str, Job] = field(default_factory=dict)  # running on this replica (pulled, not yet finished)
     commands: queue.Queue[Command | None] = field(default_factory=queue.Queue)  # -> engine thread
     outbox: queue.Queue[OutboxItem] = field(default_factory=queue.Queue)  # -> publisher thread
     stop: threading.Event = field(default_factory=threading.Event)
     pulling: threading.Event = field(default_factory=threading.Event)
-    stats: dict = field(default_factory=dict)  # the engine's latest stats(), refreshed by the engine thread
     max_batch: int = 0
     redis_ok: bool = False
     queue_length: int = 0  # entries in the stream not yet delivered to any replica
@@ -45,10 +46,10 @@ class ReplicaState:
         """How many more requests this replica should pull now."""
         free_seqs = self.engine.config.max_num_seqs - len(self.jobs)
         st = self.stats
-        if st.get("num_waiting", 0) > 0 and self.jobs:
+        if st.num_waiting > 0 and self.jobs:
             return 0  # the engine already has a backlog it cannot schedule
         unstarted = sum(1 for j in list(self.jobs.values()) if not j.started)
-        by_blocks = st.get("blocks_free", 0) // cdiv(self.cfg.expected_tokens, st.get("block_size", 16)) - unstarted
+        by_blocks = st.blocks_free // cdiv(self.cfg.expected_tokens, st.block_size) - unstarted
         cap = min(free_seqs, by_blocks, self.cfg.max_pull)
         return max(cap, 1) if not self.jobs else max(cap, 0)
 

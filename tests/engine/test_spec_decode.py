@@ -8,8 +8,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine_service import LLM, SamplingParams
 from engine_service.engine.proposers import ngram_propose
-from hf_oracle import assert_greedy_matches, hf_greedy
-from tiny_models import save_tiny_model
+from tests.hf_oracle import assert_greedy_matches, hf_greedy
+from tests.tiny_models import save_tiny_model
 
 
 def random_prompts(n: int, seed: int, vocab: int = 512) -> list[list[int]]:
@@ -64,7 +64,7 @@ def test_greedy_draft_speculation_gives_the_targets_greedy_tokens(pair, tiny_lla
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in outputs(pair, prompts, GREEDY)]
     for prompt, out in zip(prompts, outs):
         assert_greedy_matches(tiny_llama_dir, prompt, out.outputs[0].token_ids, hf_greedy(tiny_llama_dir, prompt, 24))
-    assert 0.2 < pair.engine.stats()["spec_acceptance_rate"] < 1.0  # both paths ran: accepted and rejected
+    assert 0.2 < pair.engine.stats().spec_acceptance_rate < 1.0  # both paths ran: accepted and rejected
 
 
 def test_greedy_ngram_speculation_gives_the_targets_greedy_tokens(pair):
@@ -96,7 +96,7 @@ def test_rejected_drafts_leave_no_blocks_behind_in_either_cache(pair):
     drafter = engine.spec.drafter
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert drafter.bm.num_free_blocks == drafter.bm.num_blocks and not drafter.seqs
-    assert engine.stats()["spec_accepted"] < engine.stats()["spec_proposed"]  # there were rejections
+    assert engine.stats().spec_accepted < engine.stats().spec_proposed  # there were rejections
 
 
 def test_marks_and_metrics_account_for_every_token(pair):
@@ -153,7 +153,7 @@ def test_draft_proposer_without_a_draft_model_is_refused(tiny_llama_dir):
 
 
 def test_a_draft_model_with_another_vocabulary_is_refused(tiny_llama_dir, tmp_path):
-    from tiny_models import make_tokenizer
+    from tests.tiny_models import make_tokenizer
 
     other = save_tiny_model(tmp_path / "other", "llama", seed=3)
     make_tokenizer(vocab_size=400).save_pretrained(other)

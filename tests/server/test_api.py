@@ -182,7 +182,7 @@ def test_metrics_expose_latencies_blocks_and_queue(api):
     _, http = api
     for _ in range(2):
         http.post("/v1/completions", json={"model": "tiny", "prompt": "abc abc", "max_tokens": 5, **GREEDY})
-    wait_until(lambda: api[0].replica.state.stats.get("prefix_queries", 0) > 0, 3, what="stats refresh")
+    wait_until(lambda: api[0].replica.state.stats.prefix_queries > 0, 3, what="stats refresh")
     families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
     for name in ("decodelab_time_to_first_token_seconds", "decodelab_time_per_output_token_seconds",
                  "decodelab_inter_token_latency_seconds", "decodelab_queue_time_seconds",
