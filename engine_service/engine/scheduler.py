@@ -4,7 +4,11 @@ One rule covers prefill, chunked prefill, prefix hits and decode: each running s
 `num_computed_tokens` catches up to its `num_tokens`, as far as the step's token budget allows.
 Running sequences go first (oldest first), then waiting ones join while blocks and seats last.
 When blocks run out the newest running sequence is preempted by recompute. The live beams of a
-beam request are one unit: admitted, scheduled and preempted together.
+beam request are one unit: admitted, scheduled and preempted together. A preempted beam group
+recomputes the way its first prefill went: its first beam computes the prefix all beams share, the
+others fork it and compute only their own tails, so it never needs more blocks than admission
+promised (LLMEngine.add_request). A step that schedules nothing while requests remain is a bug, and
+fails loudly rather than spinning.
 """
 from collections import deque
 from dataclasses import dataclass, field
@@ -12,6 +16,7 @@ from dataclasses import dataclass, field
 from engine_service.engine.block_manager import BlockManager
 from engine_service.engine.config import EngineConfig
 from engine_service.engine.sequence import Sequence, SequenceStatus
+from engine_service.engine.utils import cdiv
 
 
 @dataclass
@@ -99,14 +104,48 @@ class Scheduler:
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(n)
 
-    @staticmethod
-    def _split(unit: list[Sequence], budget: int) -> tuple[list[tuple[Sequence, int]], int]:
+    def _split(self, unit: list[Sequence], budget: int) -> tuple[list[tuple[Sequence, int]], int]:
         todo = []
+        idle = self._join_first_beam(unit)
         for seq in unit:
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = 0 if seq in idle else min(seq.num_tokens - seq.num_computed_tokens, budget)
             todo.append((seq, n))
             budget -= n
         return todo, budget
+
+    def _shared_prefix(self, unit: list[Sequence]) -> int:
+        """Tokens, in whole blocks, that every beam of the unit starts with (at least the prompt's full
+        blocks), leaving each beam one token to compute."""
+        first = unit[0].token_ids
+        n = min(s.num_tokens for s in unit) - 1
+        for seq in unit[1:]:
+            n = next((i for i, (a, b) in enumerate(zip(first[:n], seq.token_ids)) if a != b), n)
+        return n // self.bm.block_size * self.bm.block_size
+
+    def _join_first_beam(self, unit: list[Sequence]) -> list[Sequence]:
+        """Beams of a preempted group (no blocks) fork the first beam once it has computed their shared
+        prefix; recomputing each beam whole could need W times the prompt's blocks. Returns the beams that
+        still wait for it."""
+        rest = [s for s in unit[1:] if not s.block_table]
+        if not rest:
+            return []
+        shared = self._shared_prefix(unit)
+        if shared == 0:
+            return []
+        if unit[0].num_computed_tokens < shared:
+            return rest
+        for seq in rest:
+            self.bm.fork(unit[0], seq)
+            self.bm.truncate(seq, shared)
+        return []
+
+    def _waiting_tails(self, todo: list[tuple[Sequence, int]]) -> int:
+        """Blocks the beams waiting for the first one will take once they fork it: their own tails."""
+        idle = [seq for seq, n in todo if n == 0 and not seq.block_table]
+        if not idle:
+            return 0
+        shared = self._shared_prefix([seq for seq, _ in todo]) // self.bm.block_size
+        return sum(cdiv(seq.num_tokens, self.bm.block_size) - shared for seq in idle)
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
@@ -133,26 +172,31 @@ class Scheduler:
             return batch
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             unit = self._waiting_unit()
-            looked_up = []
-            for seq in unit:
-                if seq.num_computed_tokens == 0 and not seq.block_table:
-                    cached = self.bm.match_prefix(seq)
-                    looked_up.append((seq.num_tokens, cached))
-                    if seq.request.first_scheduled_time is None:
-                        seq.request.num_cached_tokens = cached
+            first = unit[0]  # the other beams of a preempted group fork it (_join_first_beam)
+            looked_up = None
+            # a request scoring its prompt (prompt_logprobs.py) computes every position: no prefix hits for it
+            if (first.num_computed_tokens == 0 and not first.block_table
+                    and first.request.params.prompt_logprobs is None):
+                looked_up = (first.num_tokens, self.bm.match_prefix(first))
+                if first.request.first_scheduled_time is None:
+                    first.request.num_cached_tokens = looked_up[1]
             todo, left = self._split(unit, budget)
-            if self._blocks_needed(todo) > self.bm.num_free_blocks:
+            # the whole group's recompute must fit, or the group would be admitted only to be preempted
+            if self._blocks_needed(todo) + self._waiting_tails(todo) > self.bm.num_free_blocks:
                 for seq in unit:
                     self.bm.free(seq)  # give back the prefix hits; try again next step
                 break
-            for num_tokens, cached in looked_up:
-                self.bm.record_prefix_lookup(num_tokens, cached)
+            if looked_up is not None:
+                self.bm.record_prefix_lookup(*looked_up)
             for seq in unit:
                 self.waiting.popleft()
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
             self._take(batch, todo)
             budget = left
+        assert batch.seqs or not self.has_unfinished(), (
+            f"scheduler: a step scheduled nothing with {len(self.waiting)} waiting, {len(self.running)} running "
+            f"and {self.bm.num_free_blocks} of {self.bm.num_blocks} blocks free: the waiting head can never run")
         return batch
 
     def finish(self, seq: Sequence) -> None:

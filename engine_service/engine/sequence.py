@@ -40,7 +40,8 @@ class Sequence:
     read_offset: int = 0
     # speculative decoding: the last num_draft_tokens of token_ids are proposals awaiting verification
     num_draft_tokens: int = 0
-    draft_probs: torch.Tensor | None = None  # [num_draft_tokens, vocab] draft-model probabilities (None: n-gram)
+    spec_seed: int = 0  # keys the sampling noise of each position (spec_decode); the request's seed if set
+    draft_probs: torch.Tensor | None = None  # unused: coupled verification needs no q (isolation.py saves it)
     spec_marks: list[str] | None = None  # per generated token, see CompletionOutput.spec_marks
 
     @property
@@ -77,6 +78,8 @@ class Request:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_cached_tokens: int = 0
+    # params.prompt_logprobs set: [None] then one {id: log-prob} per prompt token scored so far (prompt_logprobs.py)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     forked: bool = False  # n > 1: the children were forked off the prompt
     beam: "BeamSearch | None" = None  # mode="beam": the search state; seqs are then its live beams
     spec: "SpecStats | None" = None  # mode="speculative": proposal / acceptance counters

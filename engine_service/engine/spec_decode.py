@@ -3,23 +3,33 @@
 Each step, every running speculative sequence that is decoding gets up to k draft tokens appended
 (n-gram lookup or the draft model, see proposers.py). The scheduler then treats them like any other
 tokens: the sequence computes 1 + k tokens in one forward over its paged cache (the multi-token path
-of the attention metadata), and the target's logits at all 1 + k positions verify the drafts:
+of the attention metadata), and the target's logits at all 1 + k positions verify the drafts.
 
-    p = target distribution, q = draft distribution (a point mass for n-gram proposals)
-    for each draft x_i:  accept with probability min(1, p_i(x_i) / q_i(x_i))
-                         on rejection: sample from norm(max(0, p_i - q_i)), stop
-    all k accepted:      sample a bonus token from p_{k+1}
+Verification couples the draft and the target through shared noise (Gumbel-max coupling; Daliri,
+Musco and Suresh 2024, "drafter-invariant speculative decoding"):
 
-(Leviathan et al. 2023; Chen et al. 2023): the output follows p exactly. Greedy requests accept the
-longest prefix equal to the target's argmax, then take the target's token. The KV of rejected drafts
-is rolled back (BlockManager.truncate); the draft cache rolls back lazily in DraftModel._sync.
+    E_t = Exp(1) noise keyed by (the sequence's seed, position t)     sampler.position_noise
+    y_t = argmax(p_t / E_t)    the target's token at t: the exponential race draws exactly from p_t
+    x_t = argmax(q_t / E_t)    the draft model's proposal, same noise (n-gram: a lookup, no noise)
+    keep the drafts while x_t == y_t; the first mismatch becomes y_t ("resampled");
+    all k kept: y_{k+1} is the bonus
+
+Every output token is a y_t, a draw from the target's p_t: the output follows p exactly. And y_t
+depends only on (seed, position, context), never on how many drafts a step verified, so a seeded
+request gives the same tokens whatever the batch, the token budget or the draft pool allowed (the
+usual rejection sampler draws a different number of uniforms when the drafts are cut). The price: a
+draft model's proposal is kept with probability >= (1 - TV) / (1 + TV) instead of 1 - TV (TV: the
+total variation distance of p and q); an n-gram point mass x is kept with probability p(x) either way.
+Greedy requests keep the longest prefix equal to the target's argmax, then take the target's token.
+The KV of rejected drafts is rolled back (BlockManager.truncate); the draft cache rolls back lazily
+in DraftModel._sync.
 """
 from dataclasses import dataclass
 
 import torch
 
 from engine_service.engine.proposers import Context, DraftModel, ngram_propose
-from engine_service.engine.sampler import process_logits
+from engine_service.engine.sampler import position_noise, process_logits
 from engine_service.engine.scheduler import ScheduledBatch
 from engine_service.engine.sequence import Sequence
 
@@ -44,48 +54,29 @@ class SpecStats:
                 "mean_accepted_length": self.accepted / self.steps if self.steps else None}
 
 
-def verify(processed: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | None, greedy: bool,
-           generator: torch.Generator | None) -> tuple[list[int], list[str]]:
-    """processed [k+1, vocab]: the target's processed logits at the k+1 positions. Returns the tokens to
-    append (accepted drafts + one target token) and their marks."""
-    k = len(drafts)
-    if greedy:
-        target = processed.argmax(dim=-1).tolist()
-        a = 0
-        while a < k and drafts[a] == target[a]:
-            a += 1
-        return drafts[:a] + [target[a]], ["accepted"] * a + ["bonus" if a == k else "resampled"]
-    p = processed.softmax(dim=-1)
-    for i, x in enumerate(drafts):
-        q_x = 1.0 if draft_probs is None else float(draft_probs[i, x])
-        if float(torch.rand((), generator=generator)) * q_x < float(p[i, x]):  # u < p/q
-            continue
-        if draft_probs is None:
-            residual = p[i].clone()
-            residual[x] = 0.0
-        else:
-            residual = (p[i] - draft_probs[i]).clamp_min(0.0)
-        if float(residual.sum()) <= 0.0:  # only by rounding: p == q there
-            residual = p[i]
-        token = int(torch.multinomial(residual, 1, generator=generator))
-        return drafts[:i] + [token], ["accepted"] * i + ["resampled"]
-    return drafts + [int(torch.multinomial(p[k], 1, generator=generator))], ["accepted"] * k + ["bonus"]
+def verify(processed: torch.Tensor, drafts: list[int], noise: torch.Tensor | None) -> tuple[list[int], list[str]]:
+    """processed [k+1, vocab]: the target's processed logits at the k+1 positions; noise [k+1, vocab]:
+    their Exp(1) noise (None: greedy, the argmax). Returns the tokens to append (the drafts equal to the
+    target's own draws, then the target's token at the first mismatch or after the last draft) and their
+    marks ("target" alone when there was no draft)."""
+    target = processed.argmax(dim=-1) if noise is None else (processed.softmax(dim=-1) / noise).argmax(dim=-1)
+    target = target.tolist()
+    k, a = len(drafts), 0
+    while a < k and drafts[a] == target[a]:
+        a += 1
+    last = "target" if k == 0 else "bonus" if a == k else "resampled"
+    return drafts[:a] + [target[a]], ["accepted"] * a + [last]
 
 
-@torch.inference_mode()
-def execute_with_rows(runner, batch: ScheduledBatch, num_rows: list[int]) -> tuple[torch.Tensor, list[int]]:
-    """ModelRunner.execute, but sequence i gets logits for its last num_rows[i] tokens (when its chunk
-    reaches its last token): rows index[i] .. index[i] + num_rows[i] - 1 of the returned logits."""
-    runner.copy_blocks(batch.copies)
-    input_ids, positions, meta, last_row = runner.prepare(batch)
-    hidden = runner.forward(input_ids, positions, meta)
-    rows, index = [], []
-    for r, k in zip(last_row, num_rows):  # a sequence's tokens are contiguous in the flat batch
-        index.append(len(rows) if r >= 0 else -1)
-        if r >= 0:
-            rows.extend(range(r - k + 1, r + 1))
-    logits = runner.model.compute_logits(hidden[rows]) if rows else hidden.new_empty(0, 0).float()
-    return logits, index
+def target_noise(seq: Sequence, first: int, rows: torch.Tensor) -> torch.Tensor | None:
+    """Exp(1) noise shaped like rows [num, vocab], for positions first .. first + num - 1 (None: greedy)."""
+    if seq.request.params.greedy:
+        return None
+    num, vocab = rows.shape
+    return torch.stack([position_noise(seq.spec_seed, first + i, vocab) for i in range(num)]).to(rows.device)
+
+
+Verified = tuple[Sequence, list[int], list[str], torch.Tensor]  # seq, tokens to append, marks, raw log-probs
 
 
 class SpecDecoder:
@@ -109,18 +100,17 @@ class SpecDecoder:
             if k <= 0:
                 continue
             if p.proposer == "ngram":
-                self._attach(seq, ngram_propose(seq.token_ids, k, p.ngram_min, p.ngram_max), None)
+                self._attach(seq, ngram_propose(seq.token_ids, k, p.ngram_min, p.ngram_max))
             else:
                 wanted.append((seq, k))
         if wanted:
-            for (seq, _), (drafts, probs) in zip(wanted, self.drafter.propose(wanted, self.sampling_batch)):
-                self._attach(seq, drafts, probs)
+            for (seq, _), drafts in zip(wanted, self.drafter.propose(wanted, self.sampling_batch)):
+                self._attach(seq, drafts)
 
-    def _attach(self, seq: Sequence, drafts: list[int], probs: torch.Tensor | None) -> None:
+    def _attach(self, seq: Sequence, drafts: list[int]) -> None:
         if drafts:
             seq.token_ids += drafts
             seq.num_draft_tokens = len(drafts)
-            seq.draft_probs = probs
             self.drafted.append(seq)
 
     def fit(self, batch: ScheduledBatch) -> None:
@@ -132,12 +122,12 @@ class SpecDecoder:
             if keep < seq.num_draft_tokens:
                 del seq.token_ids[seq.num_tokens - seq.num_draft_tokens + keep:]
                 seq.num_draft_tokens = keep
-                seq.draft_probs = seq.draft_probs[:keep] if seq.draft_probs is not None and keep else None
         self.drafted = []
 
-    def verify_batch(self, items: list[tuple[Sequence, torch.Tensor]]) -> list[tuple[Sequence, list[int], list[str], torch.Tensor]]:
-        """items: (sequence, its raw logits [1+k, vocab]); the sequence's drafts are removed from token_ids
-        and its KV rolled back to the accepted ones. Returns (seq, tokens to append, marks, raw log-probs)."""
+    def verify_batch(self, items: list[tuple[Sequence, torch.Tensor]]) -> list[Verified]:
+        """items: (sequence, its raw logits [1+k, vocab], k >= 0 drafts); every token of a speculative
+        request comes out of here, so each is drawn with its position's noise. The drafts are removed from
+        token_ids. Returns (seq, tokens to append, marks, raw log-probs)."""
         contexts = []
         for seq, rows in items:
             base = seq.num_tokens - seq.num_draft_tokens
@@ -146,16 +136,16 @@ class SpecDecoder:
         processed = process_logits(raw.clone(), self.sampling_batch(contexts))
         logprobs = raw.log_softmax(dim=-1)
         out, start = [], 0
-        for seq, rows in items:
+        for seq, _ in items:
             k = seq.num_draft_tokens
-            drafts = seq.token_ids[seq.num_tokens - k:]
-            tokens, marks = verify(processed[start:start + k + 1], drafts, seq.draft_probs,
-                                   seq.request.params.greedy, seq.generator)
-            accepted = len(tokens) - 1
-            seq.request.spec.add(k, accepted)
-            self.totals.add(k, accepted)
-            del seq.token_ids[seq.num_tokens - k:]
-            seq.num_draft_tokens, seq.draft_probs = 0, None
+            base = seq.num_tokens - k
+            rows = processed[start:start + k + 1]
+            tokens, marks = verify(rows, seq.token_ids[base:], target_noise(seq, base, rows))
+            if k:
+                seq.request.spec.add(k, len(tokens) - 1)
+                self.totals.add(k, len(tokens) - 1)
+            del seq.token_ids[base:]
+            seq.num_draft_tokens = 0
             out.append((seq, tokens, marks, logprobs[start:start + len(tokens)]))
             start += k + 1
         return out

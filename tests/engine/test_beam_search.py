@@ -4,9 +4,10 @@ from collections import Counter
 
 import pytest
 import torch
+from transformers import AutoConfig, GenerationConfig
 
 from engine_service import LLM, SamplingParams
-from hf_oracle import hf_model
+from tests.hf_oracle import hf_model
 
 
 def random_prompt(length: int, seed: int, vocab: int = 512) -> list[int]:
@@ -26,6 +27,16 @@ def hf_beams(model_dir, prompt: list[int], width: int, n: int, max_tokens: int, 
     lengths = (out.beam_indices >= 0).sum(dim=1).tolist()
     return [(out.sequences[i, len(prompt):len(prompt) + lengths[i]].tolist(), float(out.sequences_scores[i]))
             for i in range(n)]
+
+
+def hf_default_eos(model_dir) -> list[int]:
+    """The stop ids a plain HF generate() uses (generation_config.json, else the model config's), never the
+    engine's own idea of them: the oracle must not inherit a mistake of the engine under test."""
+    try:
+        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    except OSError:
+        eos = GenerationConfig.from_model_config(AutoConfig.from_pretrained(model_dir)).eos_token_id
+    return [eos] if isinstance(eos, int) else list(eos or [])
 
 
 def beam_params(width, n, max_tokens, length_penalty=1.0, early_stopping=False, eos=None, **kwargs):
@@ -216,5 +227,5 @@ def test_smollm2_beams_match_hf(smollm2_llm, smollm2_dir, width, penalty, early,
     params = SamplingParams(mode="beam", beam_width=width, n=2, max_tokens=10, length_penalty=penalty,
                             early_stopping=early)
     ours = smollm2_llm.generate(prompt, params)[0]
-    eos = sorted(smollm2_llm.engine.eos_token_ids)
-    assert_beams_match(ours, hf_beams(smollm2_dir, ours.prompt_token_ids, width, 2, 10, penalty, early, eos))
+    assert_beams_match(ours, hf_beams(smollm2_dir, ours.prompt_token_ids, width, 2, 10, penalty, early,
+                                      hf_default_eos(smollm2_dir)))
