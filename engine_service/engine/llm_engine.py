@@ -17,8 +17,8 @@ from engine_service.engine.proposers import DraftModel
 from engine_service.engine.sampler import SamplingBatch, process_logits, sample
 from engine_service.engine.sampling_params import SamplingParams
 from engine_service.engine.scheduler import Scheduler
-from engine_service.engine.sequence import Request, Sequence
-from engine_service.engine.spec_decode import SpecDecoder, SpecStats
+from engine_service.engine.sequence import Request, Sequence, SpecStats
+from engine_service.engine.spec_decode import SpecDecoder
 from engine_service.engine.stats import EngineStats
 from engine_service.engine.utils import cdiv
 

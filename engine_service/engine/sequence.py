@@ -1,15 +1,11 @@
 import time
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from engine_service.engine.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from engine_service.engine.beam import BeamSearch
-    from engine_service.engine.spec_decode import SpecStats
 
 
 class SequenceStatus(Enum):
@@ -65,6 +61,32 @@ class Sequence:
         return self.status == SequenceStatus.FINISHED
 
 
+class GroupSearch(Protocol):
+    """What a request needs of its beam search (engine/beam.py's BeamSearch holds the rest of the state)."""
+
+    done: bool
+
+
+@dataclass
+class SpecStats:
+    proposer: str
+    k: int
+    steps: int = 0  # verification forwards (with at least one draft token)
+    proposed: int = 0
+    accepted: int = 0
+
+    def add(self, proposed: int, accepted: int) -> None:
+        self.steps += 1
+        self.proposed += proposed
+        self.accepted += accepted
+
+    def to_dict(self) -> dict:
+        return {"proposer": self.proposer, "num_speculative_tokens": self.k, "steps": self.steps,
+                "proposed": self.proposed, "accepted": self.accepted,
+                "acceptance_rate": self.accepted / self.proposed if self.proposed else None,
+                "mean_accepted_length": self.accepted / self.steps if self.steps else None}
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str
@@ -81,8 +103,8 @@ class Request:
     # params.prompt_logprobs set: [None] then one {id: log-prob} per prompt token scored so far (prompt_logprobs.py)
     prompt_logprobs: list[dict[int, float] | None] | None = None
     forked: bool = False  # n > 1: the children were forked off the prompt
-    beam: "BeamSearch | None" = None  # mode="beam": the search state; seqs are then its live beams
-    spec: "SpecStats | None" = None  # mode="speculative": proposal / acceptance counters
+    beam: GroupSearch | None = None  # mode="beam": the search state (beam.BeamSearch); seqs are its live beams
+    spec: SpecStats | None = None  # mode="speculative": proposal / acceptance counters
 
     @property
     def is_finished(self) -> bool:

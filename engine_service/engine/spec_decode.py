@@ -24,34 +24,12 @@ Greedy requests keep the longest prefix equal to the target's argmax, then take 
 The KV of rejected drafts is rolled back (BlockManager.truncate); the draft cache rolls back lazily
 in DraftModel._sync.
 """
-from dataclasses import dataclass
-
 import torch
 
 from engine_service.engine.proposers import Context, DraftModel, ngram_propose
 from engine_service.engine.sampler import position_noise, process_logits
 from engine_service.engine.scheduler import ScheduledBatch
-from engine_service.engine.sequence import Sequence
-
-
-@dataclass
-class SpecStats:
-    proposer: str
-    k: int
-    steps: int = 0  # verification forwards (with at least one draft token)
-    proposed: int = 0
-    accepted: int = 0
-
-    def add(self, proposed: int, accepted: int) -> None:
-        self.steps += 1
-        self.proposed += proposed
-        self.accepted += accepted
-
-    def to_dict(self) -> dict:
-        return {"proposer": self.proposer, "num_speculative_tokens": self.k, "steps": self.steps,
-                "proposed": self.proposed, "accepted": self.accepted,
-                "acceptance_rate": self.accepted / self.proposed if self.proposed else None,
-                "mean_accepted_length": self.accepted / self.steps if self.steps else None}
+from engine_service.engine.sequence import Sequence, SpecStats
 
 
 def verify(processed: torch.Tensor, drafts: list[int], noise: torch.Tensor | None) -> tuple[list[int], list[str]]:
