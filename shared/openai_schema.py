@@ -1,17 +1,90 @@
-"""OpenAI-compatible request bodies and response shapes, mapped onto the Redis protocol."""
+"""OpenAI-compatible request bodies and response shapes, mapped onto the Redis protocol.
+
+The bodies take what OpenAI takes: `null` for an optional field means its default, and a field this service does
+not know is ignored (the route logs it once per request, as vLLM does) rather than refused. Chat messages may be
+`developer` (shown to the template as `system`), give their content as a list of text parts (joined with newlines,
+as vLLM does; any other part is refused) and carry a `name` (accepted, not shown to the model). A completion's
+prompt may be a batch: a list of strings or of token-id lists, one protocol request per prompt.
+"""
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
-from shared.protocol import (ChatMessage, Completion, DoneEvent, GenerationRequest, SamplingExtras, SamplingOptions,
-                             TokenLogprob, new_request_id)
+from shared.protocol import (
+    ChatMessage,
+    Completion,
+    DoneEvent,
+    GenerationRequest,
+    PromptScores,
+    SamplingExtras,
+    SamplingOptions,
+    TokenLogprob,
+    new_request_id,
+)
+
+
+def _drop_nulls(data: Any) -> Any:
+    """OpenAI's `null` means "the default": drop it so the field's default applies."""
+    return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+class _Open(BaseModel):
+    """A part of an OpenAI body: nulls are defaults, unknown fields are kept aside (model_extra)."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls(cls, data: Any) -> Any:
+        return _drop_nulls(data)
+
+
+class StreamOptions(_Open):
+    include_usage: bool = False  # a last chunk with empty choices and the usage
+
+
+class ResponseFormat(_Open):
+    type: Literal["text", "json_object", "json_schema"]
+
+
+class ContentPart(_Open):
+    type: str
+    text: str = ""
+
+
+class Message(_Open):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None  # None only for an assistant turn (that called tools)
+    name: str | None = None  # accepted; the chat template is not shown it
+
+    @model_validator(mode="after")
+    def _text_only(self) -> Message:
+        if self.content is None and self.role != "assistant":
+            raise PydanticCustomError("missing", "content: required in a {role} message", {"role": self.role})
+        for i, part in enumerate(self.content if isinstance(self.content, list) else []):
+            if part.type != "text":
+                raise PydanticCustomError("content_part", "content part {i} has type '{kind}': only 'text' parts "
+                                          "are supported (this model reads text)", {"i": i, "kind": part.type})
+        return self
+
+    def to_protocol(self) -> ChatMessage:
+        text = "\n".join(p.text for p in self.content) if isinstance(self.content, list) else self.content or ""
+        return ChatMessage(role="system" if self.role == "developer" else self.role, content=text)
 
 
 class _Body(SamplingExtras):
     """OpenAI's common body fields; the vLLM extras (top_k, min_p, mode, ...) come from SamplingExtras."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls(cls, data: Any) -> Any:
+        return _drop_nulls(data)
 
     model: str
     n: int = Field(1, ge=1, le=16)
@@ -20,38 +93,90 @@ class _Body(SamplingExtras):
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 63)
     stream: bool = False
-    stream_options: dict | None = None
+    stream_options: StreamOptions | None = None
     user: str | None = None
-    frequency_penalty: float = 0.0  # accepted for compatibility; only 0 is supported
-    presence_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100] (checked by the protocol)
+    response_format: ResponseFormat | None = None
 
-    @field_validator("frequency_penalty", "presence_penalty")
-    @classmethod
-    def _zero_only(cls, v: float) -> float:
-        if v != 0.0:
-            raise ValueError("not supported (use repetition_penalty)")
-        return v
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
 
-    def _options(self, max_tokens: int, logprobs: int | None) -> SamplingOptions:
+    def unknown_fields(self) -> list[str]:
+        """The fields given that this service ignores (for the route's log line)."""
+        extra = [*(self.model_extra or {})]
+        if self.stream_options is not None:
+            extra += [f"stream_options.{k}" for k in self.stream_options.model_extra or {}]
+        if self.response_format is not None:
+            extra += [f"response_format.{k}" for k in self.response_format.model_extra or {}]
+        return extra
+
+    def _options(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingOptions:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        extras = self.model_dump(include=set(SamplingExtras.model_fields))
+        extras = self.model_dump(include=set(SamplingExtras.model_fields) - {"prompt_logprobs"})
         return SamplingOptions(n=self.n, temperature=self.temperature, top_p=self.top_p, seed=self.seed, stop=stop,
-                               max_tokens=max_tokens, logprobs=logprobs, **extras)
+                               max_tokens=max_tokens, logprobs=logprobs, presence_penalty=self.presence_penalty,
+                               frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias,
+                               prompt_logprobs=prompt_logprobs, **extras)
 
 
 class CompletionBody(_Body):
-    prompt: str | list[int] = Field(min_length=1)
-    max_tokens: int = Field(16, ge=1)
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False  # the prompt before each completion (and its log-probs first, with logprobs)
+    max_tokens: int = Field(16, ge=0)  # 0 only with echo: the prompt's log-probs, no completion
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: Literal[False] = False
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _no_empty_prompt(cls, v):
+        if isinstance(v, list) and (not v or any(p in ("", []) for p in v)):
+            raise PydanticCustomError("prompt", "a batch needs at least one prompt, and no empty one")
+        return v
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _zero_with_echo(cls, v: int, info: ValidationInfo) -> int:
+        if v == 0 and not info.data.get("echo"):
+            raise PydanticCustomError("max_tokens", "0 needs echo=true (the prompt's log-probs, no completion)")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v: str | None) -> str | None:
+        if v:
+            raise PydanticCustomError("suffix", "insertion (text after the completion) is not supported")
+        return v
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        return [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
+
+    def to_requests(self, response_id: str, client_id: str = "openai") -> list[GenerationRequest]:
+        """One request per prompt: `response_id` itself for a single prompt, `response_id-i` in a batch."""
+        prompts = self.prompts()
+        ids = [response_id] if len(prompts) == 1 else [f"{response_id}-{i}" for i in range(len(prompts))]
+        return [GenerationRequest(request_id=rid, prompt=p, model=self.model, client_id=client_id,
+                                  params=self._options(max(self.max_tokens, 1), self.logprobs,
+                                                       self._prompt_logprobs(p)))
+                for rid, p in zip(ids, prompts)]
 
     def to_request(self, client_id: str = "openai") -> GenerationRequest:
-        return GenerationRequest(request_id=f"cmpl-{new_request_id()}", prompt=self.prompt, model=self.model,
-                                 params=self._options(self.max_tokens, self.logprobs), client_id=client_id)
+        """The request of a single-prompt body."""
+        (request,) = self.to_requests(f"cmpl-{new_request_id()}", client_id)
+        return request
+
+    def _prompt_logprobs(self, prompt: str | list[int]) -> int | None:
+        # echo needs the prompt's log-probs with logprobs, and its text (from the replica) for a token-id prompt
+        if self.echo and (self.logprobs is not None or not isinstance(prompt, str)):
+            return max(self.logprobs or 0, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
 
 class ChatBody(_Body):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -60,8 +185,9 @@ class ChatBody(_Body):
     def to_request(self, default_max_tokens: int, client_id: str = "openai") -> GenerationRequest:
         max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return GenerationRequest(request_id=f"chatcmpl-{new_request_id()}", messages=self.messages, model=self.model,
-                                 params=self._options(max_tokens, logprobs), client_id=client_id)
+        return GenerationRequest(request_id=f"chatcmpl-{new_request_id()}", model=self.model, client_id=client_id,
+                                 messages=[m.to_protocol() for m in self.messages],
+                                 params=self._options(max_tokens, logprobs, self.prompt_logprobs))
 
 
 # ---- responses
@@ -70,13 +196,15 @@ def error_body(message: str, type_: str, code: str | None = None, param: str | N
 
 
 def completion_logprobs(entries: list[TokenLogprob], offset: int = 0) -> dict:
+    """OpenAI's completion logprobs. An entry without alternatives (the prompt's first token) has top null."""
     tokens = [e.token for e in entries]
     offsets, pos = [], offset
     for t in tokens:
         offsets.append(pos)
         pos += len(t)
     return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{tok: lp for _, tok, lp in e.top} for e in entries], "text_offset": offsets}
+            "top_logprobs": [{tok: lp for _, tok, lp in e.top} if e.top else None for e in entries],
+            "text_offset": offsets}
 
 
 def chat_logprobs(entries: list[TokenLogprob]) -> dict:
@@ -87,19 +215,35 @@ def chat_logprobs(entries: list[TokenLogprob]) -> dict:
                         for e in entries]}
 
 
-def usage(done: DoneEvent) -> dict:
-    completion = sum(len(c.token_ids) for c in done.outputs)
-    return {"prompt_tokens": done.metrics.prompt_tokens, "completion_tokens": completion,
-            "total_tokens": done.metrics.prompt_tokens + completion}
+def vllm_prompt_logprobs(scores: PromptScores) -> list[dict | None]:
+    """vLLM's `prompt_logprobs` field: None, then per prompt token {id: {logprob, decoded_token}}."""
+    return [None] + [{str(t): {"logprob": lp, "decoded_token": tok} for t, tok, lp in e.top}
+                     for e in scores.logprobs[1:]]
 
 
-def completion_response(rid: str, model: str, done: DoneEvent, want_logprobs: bool) -> dict:
-    def choice(c: Completion) -> dict:
-        lp = completion_logprobs(c.logprobs) if want_logprobs and c.logprobs is not None else None
-        return {"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}
+def usage(dones: list[DoneEvent], generated: bool = True) -> dict:
+    """Summed over a batch's prompts; `generated` False: echo with max_tokens=0 (the engine's token dropped)."""
+    prompt = sum(d.metrics.prompt_tokens for d in dones)
+    completion = sum(len(c.token_ids) for d in dones for c in d.outputs) if generated else 0
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(d.metrics.cached_prompt_tokens for d in dones)}}
 
+
+def completion_choice(index: int, c: Completion, want_logprobs: bool, echo: str | None = None,
+                      prompt: PromptScores | None = None, generated: bool = True) -> dict:
+    """One choice; with `echo` (the prompt's text) the text and log-probs start with the prompt's."""
+    entries = None
+    if want_logprobs:
+        entries = [*(prompt.logprobs if echo is not None and prompt is not None else []),
+                   *((c.logprobs or []) if generated else [])]
+    return {"index": index, "text": (echo or "") + (c.text if generated else ""),
+            "logprobs": completion_logprobs(entries) if entries is not None else None,
+            "finish_reason": c.finish_reason}
+
+
+def completion_response(rid: str, model: str, choices: list[dict], usage_: dict) -> dict:
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [choice(c) for c in done.outputs], "usage": usage(done)}
+            "choices": choices, "usage": usage_}
 
 
 def chat_response(rid: str, model: str, done: DoneEvent, want_logprobs: bool) -> dict:
@@ -109,7 +253,7 @@ def chat_response(rid: str, model: str, done: DoneEvent, want_logprobs: bool) ->
                 "finish_reason": c.finish_reason}
 
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [choice(c) for c in done.outputs], "usage": usage(done)}
+            "choices": [choice(c) for c in done.outputs], "usage": usage([done])}
 
 
 def completion_chunk(rid: str, model: str, index: int, text: str, finish_reason: str | None = None,
@@ -122,3 +266,9 @@ def chat_chunk(rid: str, model: str, index: int, delta: dict, finish_reason: str
                logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
             "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+
+
+def usage_chunk(rid: str, model: str, chat: bool, usage_: dict) -> dict:
+    """stream_options.include_usage: the last chunk, with no choices."""
+    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
+            "model": model, "choices": [], "usage": usage_}

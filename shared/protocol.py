@@ -47,6 +47,7 @@ class SamplingExtras(_Model):
     num_speculative_tokens: int = Field(4, ge=1, le=16)
     ngram_min: int = Field(1, ge=1, le=16)
     ngram_max: int = Field(3, ge=1, le=16)
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # DoneEvent.prompt_logprobs (the OpenAI API's echo)
 
 
 class SamplingOptions(SamplingExtras):
@@ -59,6 +60,9 @@ class SamplingOptions(SamplingExtras):
     stop: list[str] = Field(default_factory=list, max_length=16)
     max_tokens: int = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)  # OpenAI's: on generated tokens only
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[int, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(None, max_length=1024)
 
 
 class ChatMessage(_Model):
@@ -108,6 +112,14 @@ class TokenLogprob(_Model):
     top: list[tuple[int, str, float | None]] = Field(default_factory=list)
 
 
+class PromptScores(_Model):
+    """The prompt as the engine scored it (params.prompt_logprobs): its text, and one entry per prompt token,
+    the first with logprob None (nothing precedes it)."""
+
+    text: str
+    logprobs: list[TokenLogprob]
+
+
 class _Event(_Model):
     v: int = PROTOCOL_VERSION
     request_id: str
@@ -123,6 +135,8 @@ class TokenEvent(_Event):
     reset: bool = False  # the output was rewritten (beam search): text_delta/token_ids are the whole output
     logprobs: list[TokenLogprob] | None = None
     spec: list[SpecMark] | None = None  # speculative decoding: one mark per token in token_ids
+    # params.prompt_logprobs: on the first event that has them (and the DoneEvent), see PromptScores
+    prompt: PromptScores | None = None
 
 
 class Completion(_Model):
@@ -144,6 +158,7 @@ class Metrics(_Model):
     ttft_s: float | None = None  # created -> first token
     tpot_s: float | None = None  # mean time per output token after the first
     e2e_s: float | None = None  # created -> done
+    cached_prompt_tokens: int = 0  # prompt tokens the prefix cache held (computed again: 0)
     spec: dict[str, float | int | str | None] | None = None  # speculative counters: proposed, accepted, steps, ...
 
 
@@ -153,6 +168,7 @@ class DoneEvent(_Event):
     text: str  # full text of output 0
     outputs: list[Completion]
     metrics: Metrics = Field(default_factory=Metrics)
+    prompt: PromptScores | None = None  # params.prompt_logprobs
 
 
 class ErrorEvent(_Event):

@@ -7,6 +7,7 @@ import kernels
 from engine_service.engine.attention import AttentionMetadata
 from engine_service.engine.config import EngineConfig
 from engine_service.engine.cuda_graphs import decode_graphs_for
+from engine_service.engine.models.int8_linear import int8_kernel
 from engine_service.engine.models.llama import CausalLM
 from engine_service.engine.models.loader import head_dim, load_config, load_weights, max_model_len
 from engine_service.engine.models.packed_linear import packing_enabled
@@ -39,7 +40,9 @@ class ModelRunner:
         model.cos, model.sin = _rope_buffers(model, self.hf_config)
         model.load_hf_weights(load_weights(model_dir))
         self.model = model.to(self.dtype).eval()
-        if packing_enabled(self.device, self.dtype):
+        if config.quantization == "int8":
+            self.model.quantize_int8(int8_kernel(self.device))
+        elif packing_enabled(self.device, self.dtype):
             self.model.pack_linears()
         self.num_blocks = config.num_kv_blocks or self._blocks_from_budget()
         self.kv_cache = self._allocate_kv_cache(self.num_blocks)
@@ -86,10 +89,10 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Decode-shaped (one token) sequences first, then the multi-token chunks.
         Returns the flat inputs, the metadata and, per scheduled sequence (in batch order), the row of
-        its last token in the flat batch (-1 when its chunk stops short of its last token)."""
+        its chunk's last token in the flat batch (a chunk's tokens are contiguous there)."""
         bs = self.config.block_size
         order = sorted(range(len(batch)), key=lambda i: batch.num_new_tokens[i] != 1)
-        ids, pos, slots, last_row = [], [], [], [-1] * len(batch)
+        ids, pos, slots, end_row = [], [], [], [-1] * len(batch)
         cu, ctx = [0], []
         for i in order:
             seq, n = batch.seqs[i], batch.num_new_tokens[i]
@@ -98,8 +101,7 @@ class ModelRunner:
             pos += range(start, start + n)
             table = seq.block_table
             slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
-            if start + n == seq.num_tokens:
-                last_row[i] = len(ids) - 1
+            end_row[i] = len(ids) - 1
             ctx.append(start + n)
             if n != 1:
                 cu.append(cu[-1] + n)
@@ -117,7 +119,7 @@ class ModelRunner:
         )
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         positions = torch.tensor(pos, dtype=torch.int64, device=dev)
-        return input_ids, positions, meta, last_row
+        return input_ids, positions, meta, end_row
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states of the flat batch: a captured CUDA graph when one fits, else the eager model."""
@@ -126,18 +128,22 @@ class ModelRunner:
         return self.model(input_ids, positions, meta)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
-        """Runs the batch; returns logits [num_sampled, vocab] (float32) and, per scheduled sequence,
-        its row in those logits (-1 if it samples nothing this step)."""
+    def execute(self, batch: ScheduledBatch, num_rows: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
+        """Runs the batch. Sequence i gets the logits (float32) of the last num_rows[i] tokens of its chunk
+        (by default 1 when the chunk reaches its last token, else 0: the row it samples from); speculative
+        verification and prompt log-probs ask for more. Returns the logits and, per scheduled sequence, the
+        index of its first row in them (-1 when it gets none)."""
         self.copy_blocks(batch.copies)
-        input_ids, positions, meta, last_row = self.prepare(batch)
+        input_ids, positions, meta, end_row = self.prepare(batch)
         hidden = self.forward(input_ids, positions, meta)
-        rows = [r for r in last_row if r >= 0]
+        if num_rows is None:
+            num_rows = [int(s.num_computed_tokens + n == s.num_tokens)
+                        for s, n in zip(batch.seqs, batch.num_new_tokens)]
+        rows, index = [], []
+        for r, k in zip(end_row, num_rows):
+            index.append(len(rows) if k else -1)
+            rows.extend(range(r - k + 1, r + 1))
         logits = self.model.compute_logits(hidden[rows]) if rows else hidden.new_empty(0, 0).float()
-        index, k = [], 0
-        for r in last_row:
-            index.append(k if r >= 0 else -1)
-            k += r >= 0
         return logits, index
 
 

@@ -3,13 +3,14 @@
 A stream carries, per output index, the text and token ids published so far (`Job.sent`). Each new output becomes
 a TokenEvent with what was added, or a `reset` event with the whole text when an output is no longer an
 extension of what was sent (beam search rewrites its beams). The final DoneEvent carries every output whole.
+Prompt log-probs (params.prompt_logprobs) ride on the first TokenEvent after the prefill and on the DoneEvent.
 """
 from __future__ import annotations
 
 import time
 
 from engine_service.server.jobs import Job
-from shared.protocol import Completion, DoneEvent, ErrorEvent, Metrics, TokenEvent, TokenLogprob
+from shared.protocol import Completion, DoneEvent, ErrorEvent, Metrics, PromptScores, TokenEvent, TokenLogprob
 
 
 def token_logprobs(tokenizer, token_ids: list[int], entries: list[dict[int, float]]) -> list[TokenLogprob]:
@@ -24,8 +25,21 @@ def token_logprobs(tokenizer, token_ids: list[int], entries: list[dict[int, floa
     return out
 
 
+def prompt_scores(tokenizer, prompt_ids: list[int], entries: list[dict[int, float] | None]) -> PromptScores:
+    """The engine's RequestOutput.prompt_logprobs (None, then one dict per prompt token) as protocol records."""
+    first = TokenLogprob(token_id=prompt_ids[0], token=tokenizer.decode([prompt_ids[0]]), logprob=None)
+    return PromptScores(text=tokenizer.decode(prompt_ids),
+                        logprobs=[first, *token_logprobs(tokenizer, prompt_ids[1:], entries[1:])])
+
+
 def token_events(job: Job, out, tokenizer) -> list[TokenEvent]:
-    """What `out` (a RequestOutput) adds to each of the job's streams; records it as sent."""
+    """What `out` (a RequestOutput) adds to each of the job's streams; records it as sent, and what the DoneEvent
+    will report of the prompt (its scores, the prefix-cache hits)."""
+    if out.metrics is not None:
+        job.cached_prompt_tokens = out.metrics.cached_prompt_tokens
+    new_prompt = None
+    if out.prompt_logprobs is not None and job.prompt is None:
+        job.prompt = new_prompt = prompt_scores(tokenizer, out.prompt_token_ids, out.prompt_logprobs)
     events = []
     for comp in out.outputs:
         sent_text, sent_ids = job.sent.get(comp.index, ("", []))
@@ -40,7 +54,8 @@ def token_events(job: Job, out, tokenizer) -> list[TokenEvent]:
         marks = comp.spec_marks
         events.append(TokenEvent(request_id=job.rid, seq=job.next_seq(), attempt=job.attempt, index=comp.index,
                                  text_delta=comp.text if reset else comp.text[len(sent_text):], token_ids=new_ids,
-                                 reset=reset, logprobs=logprobs, spec=marks[start:] if marks is not None else None))
+                                 reset=reset, logprobs=logprobs, spec=marks[start:] if marks is not None else None,
+                                 prompt=None if events else new_prompt))
         job.sent[comp.index] = (comp.text, list(comp.token_ids))
     return events
 
@@ -66,10 +81,11 @@ def done_event(job: Job, reason: str | None, outputs, tokenizer, replica: str) -
     if job.first_token_at is not None and n_out > 1:
         tpot = (job.last_token_at - job.first_token_at) / (n_out - 1)
     metrics = Metrics(replica=replica, prompt_tokens=job.prompt_tokens, completion_tokens=n_out,
+                      cached_prompt_tokens=job.cached_prompt_tokens,
                       queue_s=job.picked_at - created, e2e_s=now - created, tpot_s=tpot, spec=job.spec,
                       ttft_s=None if job.first_token_at is None else job.first_token_at - created)
     return DoneEvent(request_id=job.rid, seq=job.next_seq(), attempt=job.attempt, finish_reason=reason,
-                     text=completions[0].text, outputs=completions, metrics=metrics)
+                     text=completions[0].text, outputs=completions, metrics=metrics, prompt=job.prompt)
 
 
 def error_event(job: Job, code: str, message: str) -> ErrorEvent:

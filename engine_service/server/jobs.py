@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.protocol import GenerationRequest
+from shared.protocol import GenerationRequest, PromptScores
 
 
 @dataclass(eq=False)
@@ -24,6 +24,8 @@ class Job:
     cancelled: bool = False
     started: bool = False
     spec: dict | None = None  # the engine's speculative counters (RequestMetrics.spec), latest
+    prompt: PromptScores | None = None  # params.prompt_logprobs, once the engine has scored the prompt
+    cached_prompt_tokens: int = 0  # the engine's RequestMetrics.cached_prompt_tokens
 
     @property
     def rid(self) -> str:
