@@ -4,6 +4,7 @@ import time
 
 import torch
 
+from engine_service.engine.admission import EngineLimits, check_request
 from engine_service.engine.beam import BeamSearch
 from engine_service.engine.block_manager import BlockManager
 from engine_service.engine.config import EngineConfig
@@ -20,7 +21,6 @@ from engine_service.engine.scheduler import Scheduler
 from engine_service.engine.sequence import Request, Sequence, SpecStats
 from engine_service.engine.spec_decode import SpecDecoder
 from engine_service.engine.stats import EngineStats
-from engine_service.engine.utils import cdiv
 
 
 class LLMEngine:
@@ -46,6 +46,8 @@ class LLMEngine:
             draft_dir = resolve_model(config.draft_model, config.cache_dir)
             drafter = DraftModel(config, draft_dir, self.vocab_size, self.tokenizer, load_tokenizer(draft_dir))
         self.spec = SpecDecoder(drafter, self._sampling_batch)
+        self.limits = EngineLimits(self.vocab_size, self.max_model_len, config.block_size,
+                                   self.block_manager.num_blocks, config.max_beam_width, drafter is not None)
 
     # ---- requests
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
@@ -53,40 +55,7 @@ class LLMEngine:
         params.validate()
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt: must not be empty")
-            text, token_ids = prompt, self.tokenizer(prompt).input_ids
-        else:
-            text, token_ids = None, list(prompt)
-            if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in token_ids):
-                raise ValueError(f"prompt_token_ids: every id must be an int in [0, {self.vocab_size})")
-        if not token_ids:
-            raise ValueError("prompt: must not be empty")
-        if any(t >= self.vocab_size for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids: every id must be below the vocabulary size {self.vocab_size}")
-        if any(t >= self.vocab_size for t in params.logit_bias or {}):
-            raise ValueError(f"logit_bias: every token id must be below the vocabulary size {self.vocab_size}")
-        if params.mode == "speculative" and params.proposer == "draft" and self.spec.drafter is None:
-            raise ValueError("proposer: 'draft' needs an engine started with a draft model "
-                             "(LLM(..., draft_model=NAME) or --draft-model NAME)")
-        if params.mode == "beam" and params.beam_width > self.config.max_beam_width:
-            raise ValueError(f"beam_width: {params.beam_width} is above this engine's max_beam_width "
-                             f"({self.config.max_beam_width})")
-        total = len(token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(f"max_tokens: prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) "
-                             f"exceeds the model's context of {self.max_model_len} tokens")
-        if cdiv(total, self.config.block_size) > self.block_manager.num_blocks:
-            raise ValueError(f"max_tokens: {total} tokens need more KV blocks than the pool has "
-                             f"({self.block_manager.num_blocks} x {self.config.block_size})")
-        if params.mode == "beam":
-            # worst case: the full prompt blocks shared, every beam's tail its own
-            shared = len(token_ids) // self.config.block_size
-            need = shared + params.beam_width * (cdiv(total, self.config.block_size) - shared)
-            if need > self.block_manager.num_blocks:
-                raise ValueError(f"beam_width: {params.beam_width} beams of {total} tokens may need {need} KV "
-                                 f"blocks; the pool has {self.block_manager.num_blocks}")
+        text, token_ids = check_request(prompt, params, self.tokenizer, self.limits)
         req = Request(request_id, text, token_ids, params)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]  # the first prompt token has no log-prob
