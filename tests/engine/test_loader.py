@@ -6,8 +6,17 @@ import time
 import pytest
 import torch
 
-from engine_service.engine.models import (DEFAULT_MODEL, REGISTRY, ModelNotInstalledError, available_models, load_config,
-                                   load_tokenizer, load_weights, loader, resolve_model)
+from engine_service.engine.models import (
+    DEFAULT_MODEL,
+    REGISTRY,
+    ModelNotInstalledError,
+    available_models,
+    load_config,
+    load_tokenizer,
+    load_weights,
+    loader,
+    resolve_model,
+)
 from engine_service.engine.models.registry import ChunkedGGUF
 from tests.tiny_models import make_model
 

@@ -46,7 +46,7 @@ def test_consumers_of_replicas_that_are_gone_are_removed_from_the_group(make_wor
                                                                          sync_redis):
     sync_redis.xgroup_create(keys.stream, keys.group, id="0", mkstream=True)
     sync_redis.xreadgroup(keys.group, "ghost", {keys.stream: ">"}, count=1)  # a consumer that then went away
-    replica = make_worker(consumer_gc_idle_s=0.3)
+    make_worker(consumer_gc_idle_s=0.3)
 
     def consumers() -> set[str]:
         return {c["name"] for c in sync_redis.xinfo_consumers(keys.stream, keys.group)}

@@ -6,8 +6,16 @@ import redis.asyncio as aioredis
 
 from engine_service.engine.sampling_params import SamplingParams
 from shared.client import EngineClient, TextAccumulator
-from shared.protocol import (PROTOCOL_VERSION, ChatMessage, DoneEvent, ErrorEvent, GenerationRequest, SamplingOptions,
-                             TokenEvent, decode_event)
+from shared.protocol import (
+    PROTOCOL_VERSION,
+    ChatMessage,
+    DoneEvent,
+    ErrorEvent,
+    GenerationRequest,
+    SamplingOptions,
+    TokenEvent,
+    decode_event,
+)
 
 from .conftest import run, wait_until
 
@@ -34,7 +42,8 @@ def test_greedy_result_through_redis_equals_the_in_process_engine(worker, redis_
 
     async def main():
         c = _client(redis_server, keys)
-        sub, events = await _collect(c, GenerationRequest(prompt=prompt, params=SamplingOptions(max_tokens=24, **GREEDY)))
+        request = GenerationRequest(prompt=prompt, params=SamplingOptions(max_tokens=24, **GREEDY))
+        sub, events = await _collect(c, request)
         await c.close()
         return sub, events
 
