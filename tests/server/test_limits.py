@@ -115,7 +115,8 @@ def test_openai_endpoints_answer_400_over_a_limit_and_429_over_the_client_limit(
     state.client.max_per_client = 1
     with http.stream("POST", "/v1/completions", json={**body, "prompt": "hold", "max_tokens": 1500,
                                                       "stream": True}) as held:
-        next(line for line in held.iter_lines() if line.startswith("data: "))
+        lines = held.iter_lines()  # kept: a dropped iterator may close the stream, freeing the slot early
+        next(line for line in lines if line.startswith("data: "))
         r = http.post("/v1/completions", json={**body, "prompt": "x"})
         assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_requests", r.text
         assert r.headers["retry-after"] == "1"
