@@ -30,15 +30,18 @@ FINAL = ("done", "error", "cancelled", "invalid")
 
 # Timestamps the page itself records (performance.now(), ms): a column's first token on screen and its end.
 WATCH_JS = """([modes, final]) => {
-  const t = {t0: performance.now(), first: {}, done: {}, tokens: {}, status: {}};
+  const t = {t0: performance.now(), started: {}, first: {}, done: {}, tokens: {}, status: {}};
   window.__dl = t;
   const look = () => {
     for (const m of modes) {
       const col = document.querySelector('#out-' + m + ' .dl-col');
       if (!col) continue;
       const n = col.querySelectorAll('.tk').length;
+      // the previous run's columns are still final at the click: a column counts once it has left that state
+      if (!final.includes(col.dataset.status)) t.started[m] = true;
+      if (!t.started[m]) continue;
       if (n > 0 && !(m in t.first)) t.first[m] = performance.now();
-      if (final.includes(col.dataset.status) && !(m in t.done) && (m in t.first || col.dataset.status !== 'done')) {
+      if (final.includes(col.dataset.status) && !(m in t.done)) {
         t.done[m] = performance.now(); t.tokens[m] = n; t.status[m] = col.dataset.status;
       }
     }
