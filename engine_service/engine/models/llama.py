@@ -9,7 +9,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_service.engine.attention import AttentionMetadata, PagedAttention
-from engine_service.engine.models.int8_linear import Int8Weight
 from engine_service.engine.models.loader import head_dim as head_dim_of
 from engine_service.engine.models.packed_linear import Linear, pack_weight, packed_linear
 
@@ -119,7 +118,6 @@ class CausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
         self.packed_head: torch.Tensor | None = None
-        self.int8_head: Int8Weight | None = None
         cos, sin = rope_tables(config, config.max_position_embeddings)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -134,8 +132,6 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.tie_word_embeddings:
-            if self.int8_head is not None:
-                return self.int8_head(hidden).float()
             if self.packed_head is not None:
                 return packed_linear(hidden, self.packed_head, None).float()
             return F.linear(hidden, self.embed_tokens.weight).float()
@@ -149,15 +145,6 @@ class CausalLM(nn.Module):
                 m.pack()
         if self.tie_word_embeddings:
             self.packed_head = pack_weight(self.embed_tokens.weight)
-
-    def quantize_int8(self, kernel: str) -> None:
-        """Every matmul weight to int8 (int8_linear.py), the LM head included; a tied head keeps the dense
-        embedding for lookups and an int8 copy for the logits."""
-        for m in self.modules():
-            if isinstance(m, Linear):
-                m.quantize_int8(kernel)
-        if self.tie_word_embeddings:
-            self.int8_head = Int8Weight(self.embed_tokens.weight, None, kernel)
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Load an HF Llama/Qwen2 state dict, fusing q/k/v and gate/up."""
