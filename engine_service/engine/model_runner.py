@@ -7,7 +7,6 @@ import kernels
 from engine_service.engine.attention import AttentionMetadata
 from engine_service.engine.config import EngineConfig
 from engine_service.engine.cuda_graphs import decode_graphs_for
-from engine_service.engine.models.int8_linear import int8_kernel
 from engine_service.engine.models.llama import CausalLM
 from engine_service.engine.models.loader import head_dim, load_config, load_weights, max_model_len
 from engine_service.engine.models.packed_linear import packing_enabled
@@ -40,9 +39,7 @@ class ModelRunner:
         model.cos, model.sin = _rope_buffers(model, self.hf_config)
         model.load_hf_weights(load_weights(model_dir))
         self.model = model.to(self.dtype).eval()
-        if config.quantization == "int8":
-            self.model.quantize_int8(int8_kernel(self.device))
-        elif packing_enabled(self.device, self.dtype):
+        if packing_enabled(self.device, self.dtype):
             self.model.pack_linears()
         self.num_blocks = config.num_kv_blocks or self._blocks_from_budget()
         self.kv_cache = self._allocate_kv_cache(self.num_blocks)

@@ -171,7 +171,8 @@ class CausalLM(nn.Module):
         for i in range(self.config.num_hidden_layers):
             p = f"model.layers.{i}."
             for suffix in ("weight", "bias"):
-                fuse(p + "self_attn.", ["q_proj", "k_proj", "v_proj"], suffix, f"layers.{i}.self_attn.qkv_proj.{suffix}")
+                fuse(p + "self_attn.", ["q_proj", "k_proj", "v_proj"], suffix,
+                     f"layers.{i}.self_attn.qkv_proj.{suffix}")
             fuse(p + "mlp.", ["gate_proj", "up_proj"], "weight", f"layers.{i}.mlp.gate_up_proj.weight")
         missing = set(own) - loaded
         if missing:
