@@ -18,13 +18,8 @@ async def _finish(client: EngineClient, request: GenerationRequest, timeout: flo
     return [ev async for ev in client.stream(sub, timeout)]
 
 
-def test_a_request_that_took_down_every_replica_goes_to_the_dead_letter_stream(worker, redis_server, keys,
-                                                                              sync_redis):
-    max_attempts = worker.state.cfg.max_attempts
-    request = GenerationRequest(prompt="poison", params=SamplingOptions(max_tokens=4, **GREEDY))
-    # the attempt counter as max_attempts earlier pickups left it (each of those replicas died mid-run)
-    sync_redis.set(keys.attempt(request.request_id), max_attempts)
-
+def _events(redis_server, keys, request: GenerationRequest) -> list:
+    """Every event of `request`, submitted by a fresh client."""
     async def go():
         client = EngineClient(redis_server.url, keys)
         try:
@@ -32,7 +27,16 @@ def test_a_request_that_took_down_every_replica_goes_to_the_dead_letter_stream(w
         finally:
             await client.close()
 
-    events = run(go())
+    return run(go())
+
+
+def test_a_request_that_took_down_every_replica_goes_to_the_dead_letter_stream(worker, redis_server, keys,
+                                                                              sync_redis):
+    max_attempts = worker.state.cfg.max_attempts
+    request = GenerationRequest(prompt="poison", params=SamplingOptions(max_tokens=4, **GREEDY))
+    # the attempt counter as max_attempts earlier pickups left it (each of those replicas died mid-run)
+    sync_redis.set(keys.attempt(request.request_id), max_attempts)
+    events = _events(redis_server, keys, request)
     assert isinstance(events[-1], ErrorEvent) and events[-1].code == "too_many_attempts", events[-1]
     assert keys.dead_letter in events[-1].message
     dead = sync_redis.xrange(keys.dead_letter)
@@ -83,14 +87,7 @@ def test_a_cancel_that_arrives_between_pickup_and_registration_is_not_lost(worke
 
     state.redis.pipeline = racing_pipeline
     try:
-        async def go():
-            client = EngineClient(redis_server.url, keys)
-            try:
-                return await _finish(client, request)
-            finally:
-                await client.close()
-
-        events = run(go())
+        events = _events(redis_server, keys, request)
     finally:
         state.redis.pipeline = pipeline
     assert isinstance(events[-1], DoneEvent) and events[-1].finish_reason == "cancelled", events[-1]
