@@ -9,7 +9,7 @@ from collections.abc import Callable
 from shared.openai_schema import error_body
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
-RETRY_AFTER_S = 1
+RETRY_AFTER_S = 1  # seconds; every 429 of the API says it (a full queue drains at the engine's pace)
 
 
 class Admission:

@@ -20,6 +20,7 @@ from fastapi.responses import Response, StreamingResponse
 from redis.exceptions import RedisError
 
 from engine_service.engine.sampling_params import SamplingParams
+from engine_service.server.api.admission import RETRY_AFTER_S
 from engine_service.server.api.state import APIError, ServiceState
 from shared.client import QueueFull, Submission, TextAccumulator
 from shared.openai_schema import (
@@ -49,7 +50,6 @@ STATUS_BY_CODE = {"invalid_request": 400, "unsupported_version": 400, "limit_exc
 
 FAILOVER_DIVERGED = ("the replica running this request failed and its re-run produced different text from what "
                      "was already streamed; the stream ends here rather than mix two runs")
-RETRY_AFTER_S = 1  # a full queue drains at the engine's pace; clients back off from here (the openai client does)
 NO_STRUCTURED_OUTPUT = ("response_format: structured output is not available yet (this service has no grammar "
                         "engine); only {\"type\": \"text\"} is accepted")
 
