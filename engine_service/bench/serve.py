@@ -200,7 +200,8 @@ def start_replica(args, redis_url: str, prefix: str):
     from engine_service.server.redis_server import free_port
 
     stack, port = Stack(), free_port()
-    env = dict(os.environ, REDIS_URL=redis_url, DECODELAB_REDIS_PREFIX=prefix)
+    env = dict(os.environ, REDIS_URL=redis_url, DECODELAB_REDIS_PREFIX=prefix,
+               DECODELAB_MAX_PER_CLIENT="0")  # the sweep's clients all come from one address
     stack.spawn("engine", [sys.executable, "-m", "engine_service.cli", "engine", *engine_argv(args),
                            "--port", str(port), "--served-model-name", args.model, "--max-queue", "100000",
                            "--log-level", "warning"], env)
@@ -269,7 +270,8 @@ def run(args) -> int:
                "cpus": __import__("os").cpu_count(), "num_requests": args.num_requests,
                "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "repeats": args.repeats,
                "cpu": cpu_info(), "runs": runs, "goal": goal_summary(runs) if runs else None, "sweep": levels}
-    path = write_results("serve", results, args.out)
+    # a sweep alone must not overwrite the rate runs' serve.json
+    path = write_results("serve" if runs else "serve_sweep", results, args.out)
     if runs:
         plot(results, path.with_suffix(".png"))
     if levels:
