@@ -7,6 +7,9 @@
 2. api: the same four requests (web/modes.py builds them) through the replica's OpenAI API, concurrently, streaming,
    no browser: TTFT and TPOT per request as the HTTP client sees them.
 3. in-process: the same four requests in one LLMEngine, timed around engine.step() as the API path is timed.
+4. breakdown: one decode step's ms split into linears, attention, the rest of the model, input preparation,
+   sampler and the rest (engine_service/bench/step_profile.py), for the greedy request alone (batch 1) and for
+   the four requests together, in one LLMEngine.
 The API streams a beam request's outputs once final (an append-only stream cannot show beams overtaking each
 other), so there its TTFT is the whole run and it has no TPOT.
 Medians over --repeats runs of each. Writes benchmarks/results/playground.json and playground.png.
@@ -57,7 +60,8 @@ def add_parser(bench_sub, add_engine_args) -> None:
     p.add_argument("--prompt", default=PROMPT)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--paths", default="browser,api,inprocess", help="which of browser, api, inprocess to run")
+    p.add_argument("--paths", default="browser,api,inprocess,breakdown",
+                   help="which of browser, api, inprocess, breakdown to run")
     p.add_argument("--engine-port", type=int, default=8011)
     p.add_argument("--web-port", type=int, default=7871)
     p.add_argument("--out", default="benchmarks/results")
@@ -200,6 +204,22 @@ def _inprocess_runs(args, requests: dict) -> list[dict]:
     return runs
 
 
+# ---- 4. where a step's time goes
+def _breakdown(args, requests: dict) -> dict:
+    from engine_service.bench.step_profile import step_breakdown
+    from engine_service.engine.flags import engine_config_from_args
+    from engine_service.engine.llm_engine import LLMEngine
+    from engine_service.engine.sampling_params import SamplingParams
+
+    engine = LLMEngine(engine_config_from_args(args))
+    prompt = engine.tokenizer.apply_chat_template([m.model_dump() for m in requests["greedy"].messages],
+                                                  tokenize=False, add_generation_prompt=True)
+    params = {m: SamplingParams(**req.params.model_dump()) for m, req in requests.items()}
+    step_breakdown(engine, [("warm-up", prompt, params["greedy"])], steps=4)
+    return {"batch1": step_breakdown(engine, [("greedy", prompt, params["greedy"])]),
+            "four_modes": step_breakdown(engine, [(m, prompt, p) for m, p in params.items()])}
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -221,6 +241,11 @@ def run(args: argparse.Namespace) -> int:
             stack.stop()
     if "inprocess" in paths:
         results["paths"]["inprocess"] = _summary(_inprocess_runs(args, requests))
+    if "breakdown" in paths:
+        results["breakdown"] = _breakdown(args, requests)
+        for name, b in results["breakdown"].items():
+            print(f"{name:>10}: step {b['step_ms']:.1f} ms, {b['rows_per_step']:.1f} rows: " + ", ".join(
+                f"{k.removesuffix('_ms')} {v:.1f}" for k, v in b.items() if k.endswith("_ms") and k != "step_ms"))
     path = write_results("playground", results, args.out)
     _plot(results, path.with_suffix(".png"))
     for name, res in results["paths"].items():

@@ -1,9 +1,67 @@
-"""Paged attention over the KV pool, dispatched to kernels/ (torch reference or Triton)."""
-from dataclasses import dataclass
+"""Paged attention over the KV pool, dispatched to kernels/ (torch reference or Triton).
+
+On the torch backend the decode part of a step runs from a `DecodePlan` worked out once per step rather
+than once per layer: kernels.paged_decode_attention_torch sorts the context lengths, cuts length-sorted
+groups of 8 and builds their block ids and length masks on every call, which at batch 1 cost ~0.2 ms of a
+layer's 0.28 ms (SmolLM2 shapes, one core of the 2-core target); the plan leaves the gathers and SDPA per
+layer (same groups, same math as the kernel; tests/engine/test_attention_plan.py compares them). The KV store
+skips its padding check per layer the same way.
+"""
+from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 import kernels
+from kernels._workspace import gather_blocks
+
+_GROUP = 8  # sequences per padded decode group, as in kernels/paged_decode_attention.py (see docs/kernels.md)
+
+
+@dataclass
+class DecodeGroup:
+    rows: torch.Tensor | None  # int64 rows of the decode batch (None: all of them, in order)
+    block_ids: torch.Tensor  # [size * num_blocks] int64, the blocks to gather (padding entries read block 0)
+    num_blocks: int
+    mask: torch.Tensor  # [size, 1, 1, num_blocks * block_size] bool: position < context length
+
+
+@dataclass
+class DecodePlan:
+    groups: list[DecodeGroup]
+
+    @classmethod
+    def of(cls, block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> "DecodePlan":
+        lens, order = context_lens.sort(descending=True)
+        host_lens = lens.tolist()  # one host sync per step
+        assert host_lens[-1] >= 1, "a decode query sees at least itself"
+        single = len(host_lens) <= _GROUP
+        groups = []
+        for start in range(0, len(host_lens), _GROUP):
+            rows = order[start:start + _GROUP]
+            num_blocks = -(-host_lens[start] // block_size)
+            table = block_tables if single else block_tables[rows]
+            positions = torch.arange(num_blocks * block_size, device=block_tables.device)
+            group_lens = context_lens if single else lens[start:start + _GROUP]
+            groups.append(DecodeGroup(None if single else rows, table[:, :num_blocks].long().clamp_min(0).reshape(-1),
+                                      num_blocks, (positions < group_lens[:, None])[:, None, None, :]))
+        return cls(groups)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        b, h, d = q.shape
+        bs, hkv = k_cache.shape[1], k_cache.shape[2]
+        out = None if self.groups[0].rows is None else torch.empty_like(q)
+        for g in self.groups:
+            qg = q if g.rows is None else q[g.rows]
+            n, length = qg.shape[0], g.num_blocks * bs
+            k = gather_blocks(k_cache, g.block_ids, "decode_k").view(n, length, hkv, d).transpose(1, 2)
+            v = gather_blocks(v_cache, g.block_ids, "decode_v").view(n, length, hkv, d).transpose(1, 2)
+            # GQA as G queries per KV head: faster on CPU than SDPA's enable_gqa (docs/kernels.md)
+            o = F.scaled_dot_product_attention(qg.view(n, hkv, h // hkv, d), k, v, attn_mask=g.mask, scale=scale)
+            if g.rows is None:
+                return o.reshape(b, h, d)
+            out[g.rows] = o.reshape(n, h, d)
+        return out
 
 
 @dataclass
@@ -18,6 +76,26 @@ class AttentionMetadata:
     prefill_cu_seqlens_q: torch.Tensor | None  # [num_prefill + 1] int32
     prefill_context_lens: torch.Tensor | None  # [num_prefill] int32
     prefill_block_tables: torch.Tensor | None  # [num_prefill, max_blocks] int32
+    # the torch backend's per-step work, made by the first layer and reused by the others
+    _decode_plan: DecodePlan | None = field(default=None, repr=False, compare=False)
+    _store_slots: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    _store_rows: torch.Tensor | None = field(default=None, repr=False, compare=False)
+
+    def decode_plan(self, block_size: int) -> DecodePlan:
+        if self._decode_plan is None:
+            self._decode_plan = DecodePlan.of(self.decode_block_tables, self.decode_context_lens, block_size)
+        return self._decode_plan
+
+    def store_slots(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The slots to write and the rows they take (None: every row; slot -1 is padding, skipped)."""
+        if self._store_slots is None:
+            valid = self.slot_mapping >= 0
+            if bool(valid.all()):
+                self._store_slots = self.slot_mapping
+            else:
+                self._store_rows = valid.nonzero().flatten()
+                self._store_slots = self.slot_mapping[self._store_rows]
+        return self._store_slots, self._store_rows
 
 
 class PagedAttention:
@@ -25,6 +103,7 @@ class PagedAttention:
         suffix = "_triton" if backend == "triton" else "_torch"
         if backend == "triton" and not kernels.triton_available():
             raise RuntimeError("attention_backend='triton' needs the triton package: pip install 'decodelab[triton]'")
+        self.torch_backend = backend != "triton"
         self.store = getattr(kernels, "store_kvcache" + suffix)
         self.decode = getattr(kernels, "paged_decode_attention" + suffix)
         self.prefill = getattr(kernels, "prefill_attention" + suffix)
@@ -32,13 +111,30 @@ class PagedAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        self.store(k, v, k_cache, v_cache, meta.slot_mapping)
+        if self.torch_backend:
+            _store(k, v, k_cache, v_cache, meta)
+        else:
+            self.store(k, v, k_cache, v_cache, meta.slot_mapping)
         nd = meta.num_decode
         parts = []
         if nd:
-            parts.append(self.decode(q[:nd], k_cache, v_cache, meta.decode_block_tables,
-                                     meta.decode_context_lens, self.scale))
+            if self.torch_backend:
+                parts.append(meta.decode_plan(k_cache.shape[1]).attend(q[:nd], k_cache, v_cache, self.scale))
+            else:
+                parts.append(self.decode(q[:nd], k_cache, v_cache, meta.decode_block_tables,
+                                         meta.decode_context_lens, self.scale))
         if nd < q.shape[0]:
             parts.append(self.prefill(q[nd:], k_cache, v_cache, meta.prefill_cu_seqlens_q,
                                       meta.prefill_context_lens, meta.prefill_block_tables, self.scale))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           meta: AttentionMetadata) -> None:
+    # kernels.store_kvcache_torch with the padding check done once per step (meta.store_slots)
+    slots, rows = meta.store_slots()
+    if rows is not None:
+        k, v = k[rows], v[rows]
+    hkv, d = k.shape[1:]
+    k_cache.view(-1, hkv, d).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, hkv, d).index_copy_(0, slots, v.to(v_cache.dtype))

@@ -22,6 +22,7 @@ class EngineConfig:
     cache_dir: str | None = None
     num_threads: int | None = None
     seed: int = 0
+    quantization: str | None = None  # "int8": int8 weights, dynamically quantized activations (int8_linear.py)
 
     def __post_init__(self) -> None:
         if self.device == "auto":
@@ -37,6 +38,8 @@ class EngineConfig:
             raise ValueError(f"attention_backend: expected 'torch' or 'triton', got {self.attention_backend!r}")
         if self.dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"dtype: expected float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization: expected 'int8' or None, got {self.quantization!r}")
         if self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"device: expected cpu, cuda, cuda:N or auto, got {self.device!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

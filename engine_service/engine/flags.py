@@ -68,6 +68,8 @@ ENGINE_FLAGS = (
                negated=True),
     EngineFlag("--threads", "num_threads", "torch CPU threads"),
     EngineFlag("--engine-seed", "seed", "torch's global seed at load"),
+    EngineFlag("--quantization", "quantization", "int8: int8 weights, activations quantized per step "
+               "(faster on CPU, approximate)", ("int8",)),
 )
 
 

@@ -7,8 +7,9 @@ import kernels
 from engine_service.engine.attention import AttentionMetadata
 from engine_service.engine.config import EngineConfig
 from engine_service.engine.cuda_graphs import decode_graphs_for
+from engine_service.engine.models.int8_linear import CALIBRATION_TEXT, int8_kernel
 from engine_service.engine.models.llama import CausalLM
-from engine_service.engine.models.loader import head_dim, load_config, load_weights, max_model_len
+from engine_service.engine.models.loader import head_dim, load_config, load_tokenizer, load_weights, max_model_len
 from engine_service.engine.models.packed_linear import packing_enabled
 from engine_service.engine.scheduler import ScheduledBatch
 from engine_service.engine.sequence import Sequence
@@ -39,11 +40,33 @@ class ModelRunner:
         model.cos, model.sin = _rope_buffers(model, self.hf_config)
         model.load_hf_weights(load_weights(model_dir))
         self.model = model.to(self.dtype).eval()
-        if packing_enabled(self.device, self.dtype):
+        if config.quantization == "int8":
+            kernel = int8_kernel(self.device)  # int8 activations need the calibration; weight-only int8 does not
+            self.model.quantize_int8(kernel, self._calibration_absmax(model_dir) if kernel == "fbgemm" else None)
+        elif packing_enabled(self.device, self.dtype):
             self.model.pack_linears()
         self.num_blocks = config.num_kv_blocks or self._blocks_from_budget()
         self.kv_cache = self._allocate_kv_cache(self.num_blocks)
         self.graphs = decode_graphs_for(self)  # CUDA graphs for decode-only steps; None on CPU / enforce_eager
+
+    def _calibration_absmax(self, model_dir) -> dict:
+        """Per-channel max |input| of every decoder matmul over CALIBRATION_TEXT, one prefill in a scratch
+        KV pool (the real pool is sized once quantization has freed the float weights)."""
+        ids = load_tokenizer(model_dir)(CALIBRATION_TEXT).input_ids[:self.max_model_len]
+        self.kv_cache = self._allocate_kv_cache(cdiv(len(ids), self.config.block_size))
+        return self.model.input_absmax(*self.prefill_inputs(ids))
+
+    def prefill_inputs(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Model inputs for one sequence's whole prompt in KV blocks 0, 1, ... of the current pool."""
+        n, dev, i32 = len(ids), self.device, torch.int32
+        num_blocks = cdiv(n, self.config.block_size)
+        assert num_blocks <= self.kv_cache.shape[2]
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(n, device=dev), num_decode=0, decode_block_tables=None,
+            decode_context_lens=None, prefill_cu_seqlens_q=torch.tensor([0, n], dtype=i32, device=dev),
+            prefill_context_lens=torch.tensor([n], dtype=i32, device=dev),
+            prefill_block_tables=torch.arange(num_blocks, dtype=i32, device=dev)[None])
+        return torch.tensor(ids, device=dev), torch.arange(n, device=dev), meta
 
     # ---- KV pool
     def kv_bytes_per_block(self) -> int:

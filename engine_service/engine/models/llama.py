@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_service.engine.attention import AttentionMetadata, PagedAttention
+from engine_service.engine.models.int8_linear import HeadWeight, Int8Weight, head_weight, smoothing_scales
 from engine_service.engine.models.loader import head_dim as head_dim_of
 from engine_service.engine.models.packed_linear import Linear, pack_weight, packed_linear
 
@@ -49,11 +50,11 @@ def rope_tables(config, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]
     return (emb.cos() * scaling).float(), (emb.sin() * scaling).float()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x [N, heads, D]; cos/sin [N, 1, D]; HF's rotate_half convention
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, D]; cos / signed_sin [N, 1, D] (`signed_sin`: sin with its first half negated).
+    HF's x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1], in 4 ops instead of 7 (a decode step
+    runs this once per layer): roll(x) = [x2, x1], and the sign moves onto sin, which is exact."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class Attention(nn.Module):
@@ -105,6 +106,40 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    @torch.no_grad()
+    def smooth(self, amax: dict[nn.Module, torch.Tensor]) -> None:
+        """SmoothQuant for int8 activations, the 1/s folded into the op before each matmul so it costs
+        nothing per step: q/k/v and gate/up into their RMSNorm weights, o_proj into the v rows of qkv (one s
+        per KV-head channel, shared by the query heads reading it), down_proj into the up rows of gate_up.
+        `amax`: max |input| per channel of each matmul (CausalLM.input_absmax)."""
+        attn, mlp = self.self_attn, self.mlp
+        g, d = attn.num_heads // attn.num_kv_heads, attn.head_dim
+
+        def per_kv_channel(t: torch.Tensor) -> torch.Tensor:  # [H * D] -> [Hkv * D], max over a group's heads
+            return t.view(attn.num_kv_heads, g, d).amax(dim=1).flatten()
+
+        def scales(linear: Linear) -> torch.Tensor:
+            return smoothing_scales(amax[linear], linear.weight.abs().amax(dim=0))
+
+        # every s from the weights as loaded, before the folds change their rows and columns
+        s_qkv, s_gate_up, s_down = scales(attn.qkv_proj), scales(mlp.gate_up_proj), scales(mlp.down_proj)
+        s_v = smoothing_scales(per_kv_channel(amax[attn.o_proj]), per_kv_channel(attn.o_proj.weight.abs().amax(dim=0)))
+        v_rows = slice(attn.sizes[0] + attn.sizes[1], None)
+        _fold(self.input_layernorm.weight, s_qkv, attn.qkv_proj.weight)
+        _fold(self.post_attention_layernorm.weight, s_gate_up, mlp.gate_up_proj.weight)
+        _fold(attn.qkv_proj.weight[v_rows], s_v, attn.o_proj.weight, s_v.view(-1, 1, d).expand(-1, g, -1).flatten())
+        if attn.qkv_proj.bias is not None:
+            attn.qkv_proj.bias[v_rows].div_(s_v.to(attn.qkv_proj.bias.dtype))
+        _fold(mlp.gate_up_proj.weight[mlp.down_proj.in_features:], s_down, mlp.down_proj.weight)
+
+
+def _fold(before: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, s_cols: torch.Tensor | None = None) -> None:
+    """Channel j of what `before` produces (an RMSNorm weight element, or row j of a projection) is divided by
+    s_j and column j of the next matmul's `weight` multiplied by it (`s_cols`: the same s laid out per column)."""
+    s_cols = s if s_cols is None else s_cols
+    before.div_((s if before.dim() == 1 else s[:, None]).to(before.dtype))
+    weight.mul_(s_cols.to(weight.dtype))
+
 
 class CausalLM(nn.Module):
     def __init__(self, config, backend: str = "torch"):
@@ -118,6 +153,7 @@ class CausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
         self.packed_head: torch.Tensor | None = None
+        self.quantized_head: HeadWeight | Int8Weight | None = None  # quantize_int8
         cos, sin = rope_tables(config, config.max_position_embeddings)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -126,11 +162,15 @@ class CausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         cos = self.cos[positions].unsqueeze(1).to(x.dtype)
         sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        half = sin.shape[-1] // 2
+        sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)  # apply_rope's signed sin, once per step
         for layer in self.layers:
             x = layer(x, cos, sin, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.quantized_head is not None:
+            return self.quantized_head(hidden).float()
         if self.tie_word_embeddings:
             if self.packed_head is not None:
                 return packed_linear(hidden, self.packed_head, None).float()
@@ -145,6 +185,40 @@ class CausalLM(nn.Module):
                 m.pack()
         if self.tie_word_embeddings:
             self.packed_head = pack_weight(self.embed_tokens.weight)
+
+    def quantize_int8(self, kernel: str, act_amax: dict[nn.Module, torch.Tensor] | None = None) -> None:
+        """Every decoder matmul weight to int8 and the LM head to what int8_linear.head_weight gives (a tied
+        head keeps the dense embedding for lookups). With `act_amax` (`input_absmax`), activation outliers
+        are smoothed into the weights first (int8 activations need it; weight-only int8 does not)."""
+        if act_amax is not None:
+            for layer in self.layers:
+                layer.smooth(act_amax)
+        for layer in self.layers:
+            for m in layer.modules():
+                if isinstance(m, Linear):
+                    m.quantize_int8(kernel)
+        head = self.embed_tokens if self.tie_word_embeddings else self.lm_head
+        self.quantized_head = head_weight(head.weight, kernel)
+        if head is self.lm_head:
+            head.weight = nn.Parameter(head.weight.detach().to("meta"), requires_grad=False)
+
+    @torch.no_grad()
+    def input_absmax(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                     meta: AttentionMetadata) -> dict[nn.Module, torch.Tensor]:
+        """max |x| per input channel of every decoder matmul over one forward."""
+        amax: dict[nn.Module, torch.Tensor] = {}
+
+        def record(module, args, out):
+            x = args[0].detach().float().abs().amax(dim=0)
+            amax[module] = torch.maximum(amax[module], x) if module in amax else x
+
+        hooks = [m.register_forward_hook(record) for m in self.layers.modules() if isinstance(m, Linear)]
+        try:
+            self(input_ids, positions, meta)
+        finally:
+            for h in hooks:
+                h.remove()
+        return amax
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Load an HF Llama/Qwen2 state dict, fusing q/k/v and gate/up."""

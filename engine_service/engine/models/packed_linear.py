@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine_service.engine.models.int8_linear import Int8Weight
 from engine_service.engine.utils import cdiv
 
 _PACKABLE = (torch.float32, torch.bfloat16)  # fp16 packing needs AVX512-FP16 / AVX-NE-CONVERT
@@ -98,15 +99,23 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 class Linear(nn.Linear):
-    """nn.Linear that runs from a packed weight once `pack()` was called."""
+    """nn.Linear that runs from a packed weight once `pack()` was called, or from an int8 copy once
+    `quantize_int8()` was (int8_linear.py)."""
 
     packed: torch.Tensor | None = None
+    int8: Int8Weight | None = None
 
     def pack(self) -> None:
         self.packed = pack_weight(self.weight)
         self.weight = nn.Parameter(self.weight.detach().to("meta"), requires_grad=False)
 
+    def quantize_int8(self, kernel: str) -> None:
+        self.int8 = Int8Weight(self.weight, self.bias, kernel)
+        self.weight = nn.Parameter(self.weight.detach().to("meta"), requires_grad=False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int8 is not None:
+            return self.int8(x)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)

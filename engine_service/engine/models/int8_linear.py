@@ -1,0 +1,161 @@
+"""INT8 linears: int8 weights with one scale per output channel, activations quantized at run time.
+
+Weights are quantized symmetrically per output channel (`quantize_weight`). Two kernels, `int8_kernel`
+picks one:
+
+- "fbgemm" (x86 CPUs with AVX2 or better): weights and activations in int8 through PyTorch's quantized
+  engine (fbgemm). `quantized.linear_prepack` reorders the int8 weight once; each call quantizes its fp32
+  input to uint8, multiplies with int32 accumulation and scales back to fp32. It was the fastest int8 path
+  on the AVX2 target (docs/kernels.md has the table: 2.5-3.5x fewer ms than the oneDNN-packed fp32 weights
+  for the linears of a decode step; torchao's CPU int8 and `torch._int_mm` were 10-400x slower in eager
+  mode). PyTorch's `quantized.linear_dynamic` picks one activation scale for the whole input; three things
+  make this accurate enough (SmolLM2-135M, docs/kernels.md; plain linear_dynamic had 3.4x its perplexity):
+  * rows are scaled to max |x| = 1 before the call and back after, and quantized on the fixed grid [-1, 1]
+    (`quantized.linear_with_input_q_dq_qweight_dq_output_fp32`: linear_dynamic's kernel with the input's
+    scale given; bitwise what linear_dynamic gives for an input spanning [-1, 1]): per-token quantization
+    (one outlier token no longer flattens the rest of a prefill) and each row's result independent of the
+    other rows of its step (batch-invariant: a speculative verification gives what one-token decoding gives);
+  * weights use 7 bits (|q| <= 63) and activations 8: without VNNI the AVX2 kernel adds pairs of
+    uint8 x int8 products in int16 (vpmaddubsw), which saturates beyond 2 x 255 x 63;
+  * SmoothQuant (`smoothing_scales`): activation outlier channels are divided down and the weight columns
+    multiplied up by the same factors, folded into the ops before (llama.py), from the input ranges of a
+    short built-in text (`CALIBRATION_TEXT`) seen once at load.
+  The LM head stays out of int8 there: on SmolLM2 an int8 head doubled the loss (+0.028 nats per token
+  against fp32 instead of +0.013; top-1 agreement 85% instead of 90%) for 6.5 ms less per decode step
+  (1 thread). It runs from fbgemm's fp16 weights instead (`HeadWeight`: fp32 activations and sums, no
+  measurable loss), 4.2 ms per step instead of 9.0 for the oneDNN-packed fp32 weight.
+- "dequant" (CUDA, CPUs without fbgemm, or DECODELAB_INT8_KERNEL=dequant): weight-only int8 (|q| <= 127),
+  y = F.linear(x, q.to(x.dtype)) * scale: exact products with the int8 weight, the same on every device,
+  weight memory halved (bf16) or quartered (fp32); the matmul runs at the input dtype's speed, and on a
+  CPU each call converts the weight (a fallback for memory, not speed). Tested on the CPU; not run on a GPU.
+"""
+import contextlib
+import functools
+import os
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+KERNELS = ("fbgemm", "dequant")
+QMAX = {"fbgemm": 63, "dequant": 127}
+
+# Seen once at load to find each matmul's activation ranges (SmoothQuant calibration): prose, code, numbers.
+CALIBRATION_TEXT = (
+    "Once upon a time, in a small village by the mountains, there lived an old clockmaker. Every morning he "
+    "opened his shop, wound the clocks and listened to them tick.\n"
+    "def add(a, b):\n    return a + b\n"
+    "The results of the 2019 survey show that 42% of people prefer tea to coffee, while 3 in 10 drink both."
+)
+
+
+def quantize_weight(weight: torch.Tensor, qmax: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] float -> (int8 [out, in] in [-qmax, qmax], fp32 scale [out]); an all-zero row gets scale 1."""
+    w = weight.detach().float()
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / qmax, 1.0)
+    q = torch.round(w / scale[:, None]).clamp_(-qmax, qmax).to(torch.int8)
+    return q, scale
+
+
+def smoothing_scales(act_amax: torch.Tensor, weight_colmax: torch.Tensor, alpha: float = 0.5) -> torch.Tensor:
+    """SmoothQuant's s_j = max|x_j|^alpha / max|w_j|^(1 - alpha): x_j / s_j and w_j * s_j balance the
+    ranges of activation channel j and weight column j (x @ w.T is unchanged)."""
+    s = act_amax.float().clamp_min(1e-5) ** alpha / weight_colmax.float().clamp_min(1e-5) ** (1 - alpha)
+    return s.clamp(1e-3, 1e3)
+
+
+def _grid_linear(x: torch.Tensor, packed) -> torch.Tensor:
+    """x (every |value| <= 1) quantized to uint8 on the grid [-1, 1] (scale 2/255, zero point 128: what dynamic
+    quantization picks for min -1, max 1), times the packed int8 weight with int32 sums, back in fp32."""
+    return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(x, 2 / 255, 128, packed)
+
+
+@contextlib.contextmanager
+def _quantized_engine(name: str):
+    # the engine is a process-wide setting read at prepack time; the packed weight keeps its kernel
+    before = torch.backends.quantized.engine
+    torch.backends.quantized.engine = name
+    try:
+        yield
+    finally:
+        torch.backends.quantized.engine = before
+
+
+def _fbgemm_pack(q: torch.Tensor, scale: torch.Tensor):
+    zero_points = torch.zeros(q.shape[0], dtype=torch.int64)
+    with warnings.catch_warnings():  # PyTorch 2.13 deprecates quantized tensors (pytorch#184982); torch is pinned
+        warnings.filterwarnings("ignore", message="torch.quantize_per_tensor")
+        qweight = torch._make_per_channel_quantized_tensor(q.cpu(), scale.double().cpu(), zero_points, 0)
+    with _quantized_engine("fbgemm"):
+        return torch.ops.quantized.linear_prepack(qweight, None)
+
+
+@functools.cache
+def _fbgemm_error() -> str | None:
+    """None if the fbgemm int8 kernels run here, else why not (fbgemm needs x86 with AVX2 at least)."""
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        return "this PyTorch build has no fbgemm quantized engine"
+    try:  # fbgemm's own CPU check raises at prepack on a CPU without AVX2
+        _grid_linear(torch.ones(1, 8), _fbgemm_pack(*quantize_weight(torch.ones(8, 8))))
+    except RuntimeError as e:
+        return str(e).strip().splitlines()[0]
+    return None
+
+
+def int8_kernel(device: torch.device) -> str:
+    """Which kernel int8 linears use on `device`: "fbgemm" on CPUs that run it, else "dequant".
+    DECODELAB_INT8_KERNEL=dequant forces the portable one (tests, A/B runs)."""
+    forced = os.environ.get("DECODELAB_INT8_KERNEL", "")
+    if forced and forced not in KERNELS:
+        raise ValueError(f"DECODELAB_INT8_KERNEL: expected one of {', '.join(KERNELS)}, got {forced!r}")
+    if forced == "dequant" or device.type != "cpu":
+        return "dequant"
+    why = _fbgemm_error()
+    if why is not None:
+        if forced == "fbgemm":
+            raise ValueError(f"DECODELAB_INT8_KERNEL: fbgemm does not run on this CPU ({why})")
+        return "dequant"
+    return "fbgemm"
+
+
+class HeadWeight:
+    """The LM head of an int8 model on the fbgemm kernel: fp16 weights, fp32 activations and accumulation."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.packed = torch.ops.quantized.linear_prepack_fp16(weight.detach().float().cpu(), None)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.quantized.linear_dynamic_fp16(x.float(), self.packed)
+
+
+def head_weight(weight: torch.Tensor, kernel: str) -> "HeadWeight | Int8Weight":
+    """How an int8 model multiplies by its LM head (see the module docstring)."""
+    return HeadWeight(weight) if kernel == "fbgemm" else Int8Weight(weight, None, kernel)
+
+
+class Int8Weight:
+    """One [out, in] weight in int8 and how to multiply by it: `w(x)` ~= F.linear(x, weight, bias)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str):
+        assert kernel in KERNELS, kernel
+        self.kernel = kernel
+        self.out_features = weight.shape[0]
+        q, self.scale = quantize_weight(weight, QMAX[kernel])
+        self.bias = None if bias is None else bias.detach().float()
+        if kernel == "fbgemm":
+            self.packed, self.qweight = _fbgemm_pack(q, self.scale), None  # fbgemm keeps its own copy of q
+        else:
+            self.packed, self.qweight = None, q
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "dequant":
+            out = F.linear(x, self.qweight.to(x.dtype)) * self.scale.to(x.dtype)
+            return out if self.bias is None else out + self.bias.to(x.dtype)
+        if x.shape[0] == 0:
+            return x.new_empty(0, self.out_features)
+        x32 = x.float()
+        r = torch.linalg.vector_norm(x32, float("inf"), dim=1, keepdim=True).clamp_min_(1e-30)  # row max |x|
+        out = _grid_linear(x32 / r, self.packed)
+        out = out * r if self.bias is None else torch.addcmul(self.bias, out, r)
+        return out if x.dtype == torch.float32 else out.to(x.dtype)

@@ -1,0 +1,46 @@
+"""The torch backend's per-step decode plan and KV store (attention.py) give what the kernels give per call."""
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+import kernels
+from engine_service.engine.attention import AttentionMetadata, PagedAttention
+
+BLOCK, HKV, D = 8, 2, 16
+
+
+def step(lens: list[int], heads: int, padding: int, seed: int):
+    """A decode-only step: sequence i at context lens[i] (its blocks scattered over the pool), plus `padding`
+    rows with slot -1; random q/k/v and caches."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(-(-n // BLOCK) for n in lens)
+    num_blocks = len(lens) * width + 1
+    tables = torch.randperm(num_blocks - 1, generator=g)[:len(lens) * width].view(len(lens), width).int()
+    slots = [int(tables[i, (n - 1) // BLOCK]) * BLOCK + (n - 1) % BLOCK for i, n in enumerate(lens)] + [-1] * padding
+    rows = len(lens) + padding
+    tables = torch.cat([tables, torch.zeros(padding, width, dtype=torch.int32)])
+    context = torch.tensor(lens + [1] * padding, dtype=torch.int32)
+    meta = AttentionMetadata(slot_mapping=torch.tensor(slots), num_decode=rows, decode_block_tables=tables,
+                             decode_context_lens=context, prefill_cu_seqlens_q=None, prefill_context_lens=None,
+                             prefill_block_tables=None)
+    q, k, v = (torch.randn(rows, n, D, generator=g) for n in (heads, HKV, HKV))
+    caches = [torch.randn(num_blocks, BLOCK, HKV, D, generator=g) for _ in range(2)]
+    return q, k, v, caches, meta
+
+
+@settings(max_examples=25, deadline=None)
+@given(lens=st.lists(st.integers(1, 40), min_size=1, max_size=19), heads=st.sampled_from([2, 6]),
+       padding=st.integers(0, 2), seed=st.integers(0, 1000))
+@example(lens=[3, 20, 9], heads=6, padding=1, seed=0)  # one group, lengths out of order
+@example(lens=[5, 33, 1, 17, 8, 8, 40, 2, 12, 29, 3], heads=2, padding=0, seed=1)  # two groups
+def test_planned_decode_and_store_equal_the_kernels(lens, heads, padding, seed):
+    q, k, v, (k_cache, v_cache), meta = step(lens, heads, padding, seed)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    kernels.store_kvcache_torch(k, v, want_k, want_v, meta.slot_mapping)
+    want = kernels.paged_decode_attention_torch(q, want_k, want_v, meta.decode_block_tables,
+                                                meta.decode_context_lens, 0.25)
+    attn = PagedAttention("torch", 0.25)
+    for _ in range(2):  # the second layer reuses the plan the first one made
+        got = attn(q, k, v, k_cache, v_cache, meta)
+        assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+        torch.testing.assert_close(got, want)  # same math; SDPA may round the last bit differently
