@@ -19,3 +19,18 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, name: str) -> to
     if buf is None or buf.shape[0] < n:
         buf = buffers[key] = torch.empty((max(n, 64), *cache.shape[1:]), dtype=cache.dtype, device=cache.device)
     return torch.index_select(cache, 0, block_ids, out=buf[:n])
+
+
+def gather_dequant(cache: torch.Tensor, scale: torch.Tensor | None, block_ids: torch.Tensor, name: str,
+                   dtype: torch.dtype) -> torch.Tensor:
+    # gather_blocks, then for an int8 cache (kv_int8.py) times scale[block, head] into a reused `dtype` buffer
+    blocks = gather_blocks(cache, block_ids, name)
+    if scale is None:
+        return blocks
+    buffers: dict[tuple, torch.Tensor] = _local.__dict__["buffers"]
+    n = block_ids.numel()
+    key = (name + "_dq", dtype, cache.device, cache.shape[1:], torch.is_inference_mode_enabled())
+    buf = buffers.get(key)
+    if buf is None or buf.shape[0] < n:
+        buf = buffers[key] = torch.empty((max(n, 64), *cache.shape[1:]), dtype=dtype, device=cache.device)
+    return torch.mul(blocks, scale[block_ids][:, None, :, None], out=buf[:n])

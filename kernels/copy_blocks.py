@@ -5,12 +5,16 @@ from kernels._triton import require_triton, tl, triton
 # Precondition for both paths (copy-on-write guarantees it): no dst block is also a src of the same call.
 
 
-def copy_blocks_torch(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-    # kv_cache [L, 2, num_blocks, block_size, Hkv, D]; copies block src[i] -> dst[i] in every layer, K and V
+def copy_blocks_torch(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
+                      kv_scales: torch.Tensor | None = None) -> None:
+    # kv_cache [L, 2, num_blocks, block_size, Hkv, D]; copies block src[i] -> dst[i] in every layer, K and V;
+    # an int8 cache's scales kv_scales [L, 2, num_blocks, Hkv] (kv_int8.py) travel with their blocks
     assert src.shape == dst.shape and src.dim() == 1
     if src.numel() == 0:
         return
     kv_cache[:, :, dst] = kv_cache[:, :, src]
+    if kv_scales is not None:
+        kv_scales[:, :, dst] = kv_scales[:, :, src]
 
 
 @triton.jit
@@ -26,7 +30,8 @@ def _copy_blocks_kernel(kv_ptr, src_ptr, dst_ptr, plane_numel, BLOCK_NUMEL: tl.c
     tl.store(kv_ptr + base + dst * BLOCK_NUMEL + offs, x, mask=mask)
 
 
-def copy_blocks_triton(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+def copy_blocks_triton(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
+                       kv_scales: torch.Tensor | None = None) -> None:
     require_triton()
     assert src.shape == dst.shape and src.dim() == 1 and kv_cache.is_contiguous()
     assert src.dtype == dst.dtype == torch.int64, "int64 keeps block * block_numel from overflowing"
@@ -37,3 +42,5 @@ def copy_blocks_triton(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Ten
     chunk = min(1024, triton.next_power_of_2(block_numel))
     grid = (src.numel(), layers * two, triton.cdiv(block_numel, chunk))
     _copy_blocks_kernel[grid](kv_cache, src, dst, num_blocks * block_numel, BLOCK_NUMEL=block_numel, CHUNK=chunk)
+    if kv_scales is not None:  # [L, 2, num_blocks, Hkv]: the same copy with Hkv elements per block
+        copy_blocks_triton(kv_scales, src, dst)

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from kernels._workspace import gather_blocks
+from kernels._workspace import gather_dequant
+from kernels.kv_int8 import BlockWrites, store_int8_torch
 
 _GROUP = 8  # sequences per padded decode group, as in kernels/paged_decode_attention.py (see docs/kernels.md)
 
@@ -47,15 +48,18 @@ class DecodePlan:
                                       num_blocks, (positions < group_lens[:, None])[:, None, None, :]))
         return cls(groups)
 
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+               k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        # k_scale / v_scale: an int8 cache's [num_blocks, Hkv] scales (kernels/kv_int8.py): gather, then dequantize
         b, h, d = q.shape
         bs, hkv = k_cache.shape[1], k_cache.shape[2]
         out = None if self.groups[0].rows is None else torch.empty_like(q)
         for g in self.groups:
             qg = q if g.rows is None else q[g.rows]
             n, length = qg.shape[0], g.num_blocks * bs
-            k = gather_blocks(k_cache, g.block_ids, "decode_k").view(n, length, hkv, d).transpose(1, 2)
-            v = gather_blocks(v_cache, g.block_ids, "decode_v").view(n, length, hkv, d).transpose(1, 2)
+            k = gather_dequant(k_cache, k_scale, g.block_ids, "decode_k", q.dtype).view(n, length, hkv, d)
+            v = gather_dequant(v_cache, v_scale, g.block_ids, "decode_v", q.dtype).view(n, length, hkv, d)
+            k, v = k.transpose(1, 2), v.transpose(1, 2)
             # GQA as G queries per KV head: faster on CPU than SDPA's enable_gqa (docs/kernels.md)
             o = F.scaled_dot_product_attention(qg.view(n, hkv, h // hkv, d), k, v, attn_mask=g.mask, scale=scale)
             if g.rows is None:
@@ -80,11 +84,18 @@ class AttentionMetadata:
     _decode_plan: DecodePlan | None = field(default=None, repr=False, compare=False)
     _store_slots: torch.Tensor | None = field(default=None, repr=False, compare=False)
     _store_rows: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    _block_writes: BlockWrites | None = field(default=None, repr=False, compare=False)
 
     def decode_plan(self, block_size: int) -> DecodePlan:
         if self._decode_plan is None:
             self._decode_plan = DecodePlan.of(self.decode_block_tables, self.decode_context_lens, block_size)
         return self._decode_plan
+
+    def block_writes(self, block_size: int) -> BlockWrites:
+        """An int8 cache's per-step bookkeeping of the blocks the step writes (kernels/kv_int8.py)."""
+        if self._block_writes is None:
+            self._block_writes = BlockWrites.of(self.store_slots()[0], block_size)
+        return self._block_writes
 
     def store_slots(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The slots to write and the rows they take (None: every row; slot -1 is padding, skipped)."""
@@ -108,33 +119,42 @@ class PagedAttention:
         self.decode = getattr(kernels, "paged_decode_attention" + suffix)
         self.prefill = getattr(kernels, "prefill_attention" + suffix)
         self.scale = scale
+        # an int8 KV cache's scales [num_blocks, Hkv], bound by the model runner beside the caches
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if self.torch_backend:
-            _store(k, v, k_cache, v_cache, meta)
+            _store(k, v, k_cache, v_cache, meta, self.k_scale, self.v_scale)
         else:
-            self.store(k, v, k_cache, v_cache, meta.slot_mapping)
+            self.store(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         nd = meta.num_decode
         parts = []
         if nd:
             if self.torch_backend:
-                parts.append(meta.decode_plan(k_cache.shape[1]).attend(q[:nd], k_cache, v_cache, self.scale))
+                parts.append(meta.decode_plan(k_cache.shape[1]).attend(q[:nd], k_cache, v_cache, self.scale,
+                                                                       self.k_scale, self.v_scale))
             else:
                 parts.append(self.decode(q[:nd], k_cache, v_cache, meta.decode_block_tables,
-                                         meta.decode_context_lens, self.scale))
+                                         meta.decode_context_lens, self.scale, self.k_scale, self.v_scale))
         if nd < q.shape[0]:
             parts.append(self.prefill(q[nd:], k_cache, v_cache, meta.prefill_cu_seqlens_q,
-                                      meta.prefill_context_lens, meta.prefill_block_tables, self.scale))
+                                      meta.prefill_context_lens, meta.prefill_block_tables, self.scale,
+                                      self.k_scale, self.v_scale))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-           meta: AttentionMetadata) -> None:
+           meta: AttentionMetadata, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
     # kernels.store_kvcache_torch with the padding check done once per step (meta.store_slots)
     slots, rows = meta.store_slots()
     if rows is not None:
         k, v = k[rows], v[rows]
+    if k_scale is not None:
+        if slots.numel():
+            store_int8_torch(k, v, k_cache, v_cache, k_scale, v_scale, slots, meta.block_writes(k_cache.shape[1]))
+        return
     hkv, d = k.shape[1:]
     k_cache.view(-1, hkv, d).index_copy_(0, slots, k.to(k_cache.dtype))
     v_cache.view(-1, hkv, d).index_copy_(0, slots, v.to(v_cache.dtype))

@@ -22,7 +22,10 @@ class EngineConfig:
     cache_dir: str | None = None
     num_threads: int | None = None
     seed: int = 0
-    quantization: str | None = None  # "int8": int8 weights, dynamically quantized activations (int8_linear.py)
+    # "int8": int8 weights, dynamically quantized activations (int8_linear.py); "none" (a flag's way to ask for
+    # the float weights where a command defaults to int8) is None
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"  # "auto": the model dtype; "int8": int8 K/V, per-(block, head) scales (kv_int8.py)
 
     def __post_init__(self) -> None:
         if self.device == "auto":
@@ -38,8 +41,12 @@ class EngineConfig:
             raise ValueError(f"attention_backend: expected 'torch' or 'triton', got {self.attention_backend!r}")
         if self.dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"dtype: expected float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.quantization == "none":
+            self.quantization = None
         if self.quantization not in (None, "int8"):
             raise ValueError(f"quantization: expected 'int8' or None, got {self.quantization!r}")
+        if self.kv_cache_dtype not in ("auto", "int8"):
+            raise ValueError(f"kv_cache_dtype: expected 'auto' or 'int8', got {self.kv_cache_dtype!r}")
         if self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"device: expected cpu, cuda, cuda:N or auto, got {self.device!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -95,7 +95,9 @@ class DecodeGraphs:
 def decode_graphs_for(runner) -> DecodeGraphs | None:
     """Captured graphs for the runner's model on CUDA with the Triton backend, unless enforce_eager."""
     config = runner.config
-    if runner.device.type != "cuda" or config.enforce_eager or config.attention_backend != "triton":
+    # an int8 KV cache's scale update syncs with the host (kernels/kv_int8.py): it runs eager
+    if (runner.device.type != "cuda" or config.enforce_eager or config.attention_backend != "triton"
+            or config.kv_cache_dtype == "int8"):
         return None
     graphs = DecodeGraphs(runner.model, config.max_num_seqs, cdiv(runner.max_model_len, config.block_size),
                           runner.device)

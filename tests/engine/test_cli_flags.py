@@ -27,12 +27,13 @@ NON_DEFAULT = {
     "num_threads": ["--threads", "3"],
     "seed": ["--engine-seed", "5"],
     "quantization": ["--quantization", "int8"],
+    "kv_cache_dtype": ["--kv-cache-dtype", "int8"],
 }
 EXPECTED = EngineConfig(model="org/tiny", dtype="bfloat16", device="cpu", block_size=32, kv_cache_memory=0.125,
                         num_kv_blocks=77, max_num_seqs=9, max_num_batched_tokens=333, max_model_len=1000,
                         enable_prefix_caching=False, attention_backend="triton", enforce_eager=True,
                         max_beam_width=3, draft_model="org/draft", cache_dir="/tmp/models", num_threads=3, seed=5,
-                        quantization="int8")
+                        quantization="int8", kv_cache_dtype="int8")
 
 
 def engine_parser() -> argparse.ArgumentParser:
