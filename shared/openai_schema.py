@@ -22,6 +22,7 @@ from shared.protocol import (
     PromptScores,
     SamplingExtras,
     SamplingOptions,
+    StructuredOutputs,
     TokenLogprob,
     new_request_id,
 )
@@ -47,8 +48,34 @@ class StreamOptions(_Open):
     include_usage: bool = False  # a last chunk with empty choices and the usage
 
 
+class JsonSchemaFormat(_Open):
+    """response_format.json_schema: the output follows `schema` (always enforced, as with strict=true)."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, validate_by_name=True, validate_by_alias=True,
+                              serialize_by_alias=True)
+
+    name: str = Field("response", max_length=64)
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # None: any JSON object
+    strict: bool | None = None
+    description: str | None = None
+
+
 class ResponseFormat(_Open):
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise PydanticCustomError("response_format", "response_format: type json_schema needs a json_schema")
+        return self
+
+    def structured(self) -> StructuredOutputs | None:
+        if self.type == "json_object" or self.type == "json_schema" and self.json_schema.schema_ is None:
+            return StructuredOutputs(json_object=True)
+        if self.type == "json_schema":
+            return StructuredOutputs(json=self.json_schema.schema_)
+        return None
 
 
 class ContentPart(_Open):
@@ -76,6 +103,9 @@ class Message(_Open):
         return ChatMessage(role="system" if self.role == "developer" else self.role, content=text)
 
 
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
 class _Body(SamplingExtras):
     """OpenAI's common body fields; the vLLM extras (top_k, min_p, mode, ...) come from SamplingExtras."""
 
@@ -99,6 +129,32 @@ class _Body(SamplingExtras):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100] (checked by the protocol)
     response_format: ResponseFormat | None = None
+    # vLLM's older names for structured_outputs' json / regex / choice / grammar (extra body fields)
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, max_length=1024)
+    guided_grammar: str | None = None
+
+    @model_validator(mode="after")
+    def _one_grammar(self) -> _Body:
+        given = [name for name in ("structured_outputs", *GUIDED) if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type != "text":
+            given.append(f"response_format ({self.response_format.type})")
+        if len(given) > 1:
+            raise PydanticCustomError("structured_outputs", "structured_outputs: give one way to constrain the "
+                                      "output, got {given}", {"given": ", ".join(given)})
+        return self
+
+    def structured(self) -> StructuredOutputs | None:
+        """The output's grammar, from whichever of the three spellings the body used."""
+        if self.structured_outputs is not None:
+            return self.structured_outputs
+        if self.response_format is not None:
+            return self.response_format.structured()
+        for name, field in GUIDED.items():
+            if getattr(self, name) is not None:
+                return StructuredOutputs(**{field: getattr(self, name)})
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -111,11 +167,15 @@ class _Body(SamplingExtras):
             extra += [f"stream_options.{k}" for k in self.stream_options.model_extra or {}]
         if self.response_format is not None:
             extra += [f"response_format.{k}" for k in self.response_format.model_extra or {}]
+            if (schema := self.response_format.json_schema) is not None:
+                extra += [f"response_format.json_schema.{k}" for k in schema.model_extra or {}]
         return extra
 
     def _options(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingOptions:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        extras = self.model_dump(include=set(SamplingExtras.model_fields) - {"prompt_logprobs"})
+        extras = self.model_dump(include=set(SamplingExtras.model_fields) - {"prompt_logprobs", "structured_outputs"})
+        structured = self.structured()
+        extras["structured_outputs"] = structured.model_dump() if structured is not None else None
         return SamplingOptions(n=self.n, temperature=self.temperature, top_p=self.top_p, seed=self.seed, stop=stop,
                                max_tokens=max_tokens, logprobs=logprobs, presence_penalty=self.presence_penalty,
                                frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias,

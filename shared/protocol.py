@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
@@ -29,6 +29,21 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
+class StructuredOutputs(_Model):
+    """vLLM's `structured_outputs`: constrain the output to a grammar. Exactly one of `json` (a JSON schema),
+    `regex`, `choice`, `grammar` (EBNF) or `json_object=true`; the engine checks and compiles it (xgrammar)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, serialize_by_alias=True, validate_by_name=True,
+                              validate_by_alias=True)
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")  # `json` would shadow BaseModel.json
+    regex: str | None = None
+    choice: list[str] | None = Field(None, max_length=1024)
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = False
+
+
 class SamplingExtras(_Model):
     """The vLLM sampling fields beyond OpenAI's (the OpenAI endpoints accept them as extra body fields)."""
 
@@ -48,6 +63,7 @@ class SamplingExtras(_Model):
     ngram_min: int = Field(1, ge=1, le=16)
     ngram_max: int = Field(3, ge=1, le=16)
     prompt_logprobs: int | None = Field(None, ge=0, le=20)  # DoneEvent.prompt_logprobs (the OpenAI API's echo)
+    structured_outputs: StructuredOutputs | None = None  # grammar-constrained decoding, in every mode
 
 
 class SamplingOptions(SamplingExtras):
@@ -82,6 +98,16 @@ def new_request_id() -> str:
     return uuid.uuid4().hex
 
 
+class Continuation(_Model):
+    """Tokens appended after the prompt (or the templated messages) before generating: the playground's branch
+    from a token. The replica builds the prompt's ids, then appends each part in order: token ids as they are,
+    text tokenized without special tokens. All of it counts as prompt; an identical prefix of ids shares the
+    parent's KV blocks through the prefix cache."""
+
+    parts: list[Annotated[list[int], Field(max_length=32768)] | Annotated[str, Field(max_length=8000)]] = Field(
+        default_factory=list, max_length=64)
+
+
 class GenerationRequest(_Model):
     v: int = PROTOCOL_VERSION
     request_id: str = Field(default_factory=new_request_id, pattern=REQUEST_ID_PATTERN)
@@ -92,6 +118,7 @@ class GenerationRequest(_Model):
     client_id: str = Field("", max_length=128)
     created_at: float = Field(default_factory=time.time)
     deadline: float | None = None  # unix time; past it the request is dropped with an error event
+    continuation: Continuation | None = None  # generate after the prompt plus these tokens (a branch)
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerationRequest:
@@ -110,6 +137,9 @@ class TokenLogprob(_Model):
     token: str
     logprob: float | None  # None where the engine gave -inf
     top: list[tuple[int, str, float | None]] = Field(default_factory=list)
+    # nats, of the raw (unprocessed) next-token distribution this token was drawn from; None where the engine
+    # does not report it (prompt scores, beam search, older replicas)
+    entropy: float | None = None
 
 
 class PromptScores(_Model):

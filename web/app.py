@@ -18,10 +18,13 @@ from web.modes import MAX_TOKENS_LIMIT, MODES, Settings  # noqa: E402
 from web.session import Service  # noqa: E402
 
 CSS_PATH = Path(__file__).with_name("style.css")
+JS_PATH = Path(__file__).with_name("branching.js")  # click a token: its alternatives, pick one to branch
+# the shading is the stylesheet's choice (style.css): no round trip, no re-render
+SHADE_JS = "(v) => { document.documentElement.dataset.shade = v; return []; }"
 DEFAULTS = Settings()
 INTRO = ("<h1>DecodeLab</h1><p>One prompt, four ways to decode it, streamed side by side from one engine batch. "
-         "The warmer a token's shade, the less likely it was: hover it for its probability and the top alternatives. "
-         "Below, the KV cache the four requests share.</p>")
+         "The warmer a token's shade, the less likely it was: hover it for its probability and the top alternatives, "
+         "click it to branch from there with another token. Below, the KV cache the four requests share.</p>")
 HEADERS = {
     "greedy": ("Greedy", "Takes the most likely token at every step. Deterministic: the baseline."),
     "beam": ("Beam search",
@@ -75,6 +78,8 @@ def build_app(service: Service) -> gr.Blocks:
                                     info="served by the replicas connected to Redis")
                 max_tokens = gr.Slider(1, MAX_TOKENS_LIMIT, value=DEFAULTS.max_tokens, step=1, label="Max tokens",
                                        elem_id="max-tokens")
+                shade = gr.Radio(["probability", "entropy"], value="probability", label="Shade tokens by",
+                                 elem_id="shade", info="1 - p of the token, or the entropy of its distribution")
                 with gr.Row():
                     run_btn = gr.Button("Run", variant="primary", elem_id="run")
                     stop_btn = gr.Button("Stop", variant="stop", elem_id="stop")
@@ -123,16 +128,28 @@ def build_app(service: Service) -> gr.Blocks:
                 chart = gr.Plot(show_label=False, elem_id="chart")
         with gr.Accordion("Run data (JSON, also what the API returns)", open=False):
             run_json = gr.JSON(elem_id="run-json")
+        # branches: the page script puts its command in window.dlBranchCmd and clicks one of these hidden buttons
+        branch_cmd = gr.Textbox(visible="hidden", elem_id="branch-cmd")
+        fork_btn = gr.Button(visible="hidden", elem_id="branch-fork")
+        switch_btn = gr.Button(visible="hidden", elem_id="branch-switch")
 
         inputs = [prompt, chat, system, max_tokens, model, share, beam_width, length_penalty, beams_shown,
                   temperature, top_k, top_p, min_p, seed, n, proposer, spec_k]
+        # always_last: a Run clicked while the last run still draws its summary (after every column is final)
+        # runs next; Gradio's default ("once") would drop that click silently
         run_event = run_btn.click(h.run, inputs, [message, *outs, kv, chart, run_json], api_name="run",
-                                  concurrency_limit=None, show_progress="hidden")
+                                  concurrency_limit=None, show_progress="hidden", trigger_mode="always_last")
         prompt.submit(h.run, inputs, [message, *outs, kv, chart, run_json], api_name=False,
-                      concurrency_limit=None, show_progress="hidden")
+                      concurrency_limit=None, show_progress="hidden", trigger_mode="always_last")
         examples.click(lambda i: EXAMPLES[i][1:], examples, [prompt, chat, system], api_name=False, queue=False)
         stop_btn.click(h.stop, None, None, api_name="stop", concurrency_limit=None, queue=False)
         del run_event
+        read_cmd = "(x) => [window.dlBranchCmd || x || '']"
+        fork_btn.click(h.fork, branch_cmd, [message, *outs, kv], js=read_cmd, api_name="fork", trigger_mode="multiple",
+                       concurrency_limit=None, show_progress="hidden")
+        switch_btn.click(h.switch, branch_cmd, outs, js=read_cmd, api_name=False, trigger_mode="multiple",
+                         queue=False, show_progress="hidden")
+        shade.change(None, shade, None, js=SHADE_JS, api_name=False, queue=False)
         timer = gr.Timer(1.0)
         timer.tick(h.tick, None, [service_html, kv], api_name=False, concurrency_limit=None,
                    show_progress="hidden", queue=False)
@@ -144,5 +161,5 @@ def build_app(service: Service) -> gr.Blocks:
 def launch(demo: gr.Blocks, host: str, port: int, **kw):
     demo.queue(default_concurrency_limit=None, max_size=256)
     return demo.launch(server_name=host, server_port=port, theme=theme(), css_paths=[CSS_PATH], ssr_mode=False,
-                       show_error=True, quiet=kw.pop("quiet", False), **kw)
+                       js=JS_PATH.read_text(), show_error=True, quiet=kw.pop("quiet", False), **kw)
 

@@ -16,6 +16,7 @@ class Token:
     logprob: float | None = None
     top: list[tuple[int, str, float | None]] = field(default_factory=list)
     mark: str | None = None  # speculative: accepted | resampled | bonus | target
+    entropy: float | None = None  # nats, of the raw distribution it was drawn from (TokenLogprob.entropy)
 
 
 @dataclass
@@ -32,8 +33,8 @@ class Output:
 def _tokens(ids: list[int], text: str, logprobs: list[TokenLogprob] | None, marks: list | None) -> list[Token]:
     marks = list(marks or [])
     if logprobs and len(logprobs) == len(ids):
-        return [Token(lp.token, lp.token_id, lp.logprob, list(lp.top), marks[i] if i < len(marks) else None)
-                for i, lp in enumerate(logprobs)]
+        return [Token(lp.token, lp.token_id, lp.logprob, list(lp.top), marks[i] if i < len(marks) else None,
+                      getattr(lp, "entropy", None)) for i, lp in enumerate(logprobs)]
     if len(ids) == 1:
         return [Token(text, ids[0], mark=marks[0] if marks else None)]
     return [Token(text, mark=marks[0] if marks else None)] if text else []

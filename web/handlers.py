@@ -1,13 +1,18 @@
-"""Gradio event handlers: Run (streams the four columns), Stop, and the service/KV pulse (timer)."""
+"""Gradio event handlers: Run (streams the four columns), Stop, branches (fork from a token, switch), and the
+service/KV pulse (timer)."""
 from __future__ import annotations
 
+import contextlib
+import json
+import time
 from collections import OrderedDict
 from urllib.parse import urlsplit
 
 import gradio as gr
 
+from web.branches import BranchError
 from web.charts import summary_figure
-from web.columns import Column
+from web.columns import Column, Token
 from web.kv_panel import kv_panel_html
 from web.modes import MODES, Settings, check_prompt
 from web.render import column_html, message_html
@@ -29,7 +34,8 @@ def service_html(service: Service, ok: bool, live: dict[str, dict]) -> str:
     if not live:
         return ('<div class="svc bad" role="alert"><span class="dot"></span>No engine replica connected '
                 '(start <code>decodelab engine</code>; a model may still be loading)</div>')
-    models = sorted({str(r.get("model") or "?") for r in live.values()})
+    models = sorted({str(r.get("model") or "?") + (f' ({r["precision"]})' if r.get("precision") else "")
+                     for r in live.values()})
     running = sum(int(r.get("running", 0)) for r in live.values())
     return (f'<div class="svc"><span class="dot"></span>{len(live)} replica{"s" if len(live) > 1 else ""} · '
             f'{", ".join(models)} · {running} running</div>')
@@ -85,14 +91,13 @@ class Handlers:
         k = int(run.settings.spec_k or 1)
         htmls = []
         for m in MODES:
-            version = cols[m].version + (cols["greedy"].version if m == "speculative" else 0)
+            version = (run.trees[m].version, cols["greedy"].version if m == "speculative" else 0)
             if seen.get(m) == version and not final:
                 htmls.append(gr.skip())
                 continue
             seen[m] = version
-            htmls.append(column_html(cols[m], cols["greedy"], k))
-        owners = {c.request_id: m for m, c in cols.items() if c.request is not None}
-        kv = kv_panel_html(run.kv, owners, run.kv_peak, running=not final)
+            htmls.append(column_html(cols[m], cols["greedy"], k, run.trees[m]))
+        kv = kv_panel_html(run.kv, run.owners(), run.kv_peak, running=not final)
         if kv == seen.get("kv") and not final:
             kv = gr.skip()
         else:
@@ -109,8 +114,53 @@ class Handlers:
 
     async def stop(self, request: gr.Request):
         run = self.runs.get(request.session_hash if request is not None else "")
-        if run is not None and not run.finished and run.loop is not None:
+        if run is not None and run.loop is not None and not all(c.finished for c in run.all_columns()):
             run.loop.call_soon_threadsafe(run.stop)
+
+    # ---- branches: the page's script (web/branching.js) sends {"op", "mode", "branch", "pos", "token_id", "text"}
+    def _column(self, run: Run, mode: str) -> list:
+        return [column_html(run.columns[m], run.columns["greedy"], int(run.settings.spec_k or 1), run.trees[m])
+                if m == mode else gr.skip() for m in MODES]
+
+    async def fork(self, cmd: str, request: gr.Request):
+        """Branch a column from a token and stream the branch (its column, the KV panel) until it ends."""
+        session = request.session_hash if request is not None else ""
+        run, skip = self.runs.get(session), gr.skip()
+        try:
+            c = _command(cmd)
+            if run is None:
+                raise BranchError("Run first, then click a token to branch from it.")
+            parent = run.trees[c["mode"]].get(c["branch"])
+            shown = parent.tokens()
+            alts = {tid: lp for tid, _, lp in shown[c["pos"]].top} if c["pos"] < len(shown) else {}
+            picked = Token(c["text"], c["token_id"], alts.get(c["token_id"]))
+            branch = run.fork(c["mode"], c["branch"], c["pos"], picked)
+        except (BranchError, ValueError, KeyError, TypeError) as e:
+            yield message_html(str(e)), *[skip] * len(MODES), skip
+            return
+        kv_at = 0.0
+        async with contextlib.aclosing(run.follow(branch)) as updates:
+            async for _ in updates:
+                if self.runs.get(session) is not run:
+                    return  # a new Run replaced this one: stop drawing (closing `updates` cancels the branch)
+                kv = skip
+                if time.monotonic() - kv_at > 0.5 or branch.column.finished:
+                    kv_at = time.monotonic()
+                    run.take_kv(await self.service.kv())
+                    kv = kv_panel_html(run.kv, run.owners(), run.kv_peak, running=not branch.column.finished)
+                yield "", *self._column(run, c["mode"]), kv
+
+    async def switch(self, cmd: str, request: gr.Request):
+        """Show another branch of a column: its tokens are kept in the session, nothing runs."""
+        run = self.runs.get(request.session_hash if request is not None else "")
+        try:
+            c = _command(cmd)
+            if run is None:
+                raise BranchError("nothing to switch: run first")
+            run.trees[c["mode"]].switch(c["branch"])
+        except (BranchError, ValueError, KeyError, TypeError):
+            return [gr.skip()] * len(MODES)
+        return self._column(run, c["mode"])
 
     async def tick(self, request: gr.Request):
         ok, live = await self.service.health()
@@ -121,7 +171,7 @@ class Handlers:
         return status, await self._kv_html(run)
 
     async def _kv_html(self, run: Run | None) -> str:
-        owners = {c.request_id: m for m, c in run.columns.items() if c.request is not None} if run else {}
+        owners = run.owners() if run else {}
         return kv_panel_html(await self.service.kv(), owners, run.kv_peak if run else None, running=False)
 
     async def load(self, request: gr.Request):
@@ -132,5 +182,19 @@ class Handlers:
 
     async def unload(self, request: gr.Request):
         run = self.runs.pop(request.session_hash if request is not None else "", None)
-        if run is not None and not run.finished and run.loop is not None:
+        if run is not None and run.loop is not None and not all(c.finished for c in run.all_columns()):
             run.loop.call_soon_threadsafe(run.stop)
+
+
+def _command(cmd: str) -> dict:
+    """The script's JSON command, checked: ValueError (shown under the prompt) when malformed."""
+    try:
+        c = json.loads(cmd or "{}")
+    except json.JSONDecodeError:
+        raise ValueError("branch: malformed command") from None
+    if not isinstance(c, dict) or c.get("mode") not in MODES:
+        raise ValueError("branch: unknown column")
+    text = str(c.get("text") or "")[:200]
+    token_id = c.get("token_id")
+    return {"mode": c["mode"], "branch": int(c.get("branch") or 0), "pos": int(c.get("pos") or 0),
+            "token_id": int(token_id) if token_id is not None else None, "text": text}

@@ -50,7 +50,8 @@ def _labels(s: KVSnapshot, owners: dict[str, str]) -> list[tuple[str, str]]:
         seen[q.request_id] = seen.get(q.request_id, 0) + 1
         if per_request[q.request_id] > 1:
             name += f" {seen[q.request_id]}/{per_request[q.request_id]}"
-        out.append((name, MODE_COLORS.get(mode, OTHER) if mode else OTHER))
+        # a branch is labelled "greedy ⑂2": its column's colour
+        out.append((name, MODE_COLORS.get(mode.split()[0], OTHER) if mode else OTHER))
     return out
 
 

@@ -1,14 +1,24 @@
-"""HTML for one column: status, metrics, the token view (probability + top alternatives on hover), beams, samples."""
+"""HTML for one column: status, metrics, the token view (probability + top alternatives on hover), beams, samples,
+and the column's branch tree.
+
+Tokens of the main text carry what the click-to-branch script (web/branching.js) needs: `data-pos` (position in
+the branch's full token list) and `data-alts` (the alternatives as JSON); the column carries `data-mode` and
+`data-branch`. Each token also carries both shadings, `--u` (1 - p) and `--h` (entropy / ENTROPY_SCALE): the
+"Shade tokens by" toggle only switches which one the stylesheet uses, so it needs no re-render.
+"""
 from __future__ import annotations
 
+import json
 import math
 from html import escape
 
+from web.branches import Branch, BranchTree
 from web.columns import Column, Output, Token
 
 MODE_COLORS = {"greedy": "#2563eb", "beam": "#7c3aed", "sample": "#d97706", "speculative": "#059669"}
 STATUS = {"idle": "ready", "waiting": "waiting for the shared prompt", "queued": "queued", "running": "streaming",
           "done": "done", "error": "error", "cancelled": "stopped", "invalid": "check the settings", "off": "off"}
+ENTROPY_SCALE = 5.0  # nats shaded at full strength (e^5 ~ 150 equally likely tokens)
 MARK_TITLES = {"accepted": "proposed by the draft, accepted by the target",
                "resampled": "draft rejected: resampled by the target", "bonus": "bonus token: all k drafts accepted",
                "target": "decoded by the target alone (no proposal)"}
@@ -39,6 +49,8 @@ def _tip(t: Token) -> str:
     head = f"<b>{escape(_visible(t.text))}</b> p = {_num(p and p * 100, '.1f', '%')}"
     if t.logprob is not None:
         head += f" <small>(logprob {t.logprob:.2f})</small>"
+    if t.entropy is not None:
+        head += f'<div class="ent">entropy {t.entropy:.2f} nats</div>'
     if t.mark:
         head += f'<div class="mk">{escape(MARK_TITLES.get(t.mark, t.mark))}</div>'
     return f'<span class="tip">{head}{"".join(rows)}</span>'
@@ -48,17 +60,46 @@ def _visible(text: str) -> str:
     return text.replace("\n", "↵").replace("\t", "⇥") or "∅"
 
 
-def _token(t: Token) -> str:
+def _token(t: Token, pos: int | None = None, extra: str = "") -> str:
     p = _prob(t.logprob)
     cls = f"tk m-{t.mark}" if t.mark else "tk"
-    style = "" if p is None or t.mark else f' style="--u:{min(1.0, 1.0 - p):.2f}"'
+    shade = [] if t.mark else [f"--u:{min(1.0, 1.0 - p):.2f}"] if p is not None else []
+    if t.entropy is not None and not t.mark:
+        shade.append(f"--h:{min(1.0, max(0.0, t.entropy) / ENTROPY_SCALE):.2f}")
+    attrs = f' style="{";".join(shade)}"' if shade else ""
+    if pos is not None:  # clickable: branch from here
+        alts = [[tid, text, None if lp is None else round(math.exp(lp), 4)] for tid, text, lp in t.top[:5]]
+        attrs += f' data-pos="{pos}" data-alts="{escape(json.dumps(alts))}"'
     body = escape(t.text).replace("\n", '<span class="nl">↵</span><br>')
     tip = _tip(t) if (t.top or t.mark or t.logprob is not None) else ""
-    return f'<span class="{cls}"{style}>{body}{tip}</span>'
+    return f'<span class="{cls}{extra}"{attrs}>{body}{tip}</span>'
 
 
 def tokens_html(out: Output) -> str:
     return "".join(_token(t) for t in out.tokens) or '<span class="dim">…</span>'
+
+
+def main_tokens_html(tokens: list[Token], inherited: int = 0) -> str:
+    """The main text, clickable; a branch's first `inherited` tokens (the parent's, then the picked one) marked."""
+    return "".join(_token(t, i, " inh" if i < inherited - 1 else " fork" if i == inherited - 1 else "")
+                   for i, t in enumerate(tokens)) or '<span class="dim">…</span>'
+
+
+def tree_html(tree: BranchTree) -> str:
+    """The column's branches (root first, children indented under their parent); click one to show it."""
+    if len(tree.branches) < 2:
+        return ""
+    items = []
+    for b in tree.ordered():
+        on = " on" if b.id == tree.active else ""
+        state = "" if b.column.status == "done" else f" <small>{escape(STATUS.get(b.column.status, ''))}</small>"
+        arrow = "↳ " if b.parent is not None else ""
+        title = "show this branch"
+        if b.parent is not None and b.column.done is not None:  # the parent's blocks, via the prefix cache
+            title += f" · {b.column.done.metrics.cached_prompt_tokens} prompt tokens from the prefix cache"
+        items.append(f'<span class="tb{on}" data-branch="{b.id}" style="--d:{b.depth}" '
+                     f'title="{escape(title)}">{arrow}{escape(b.label)}{state}</span>')
+    return f'<div class="dl-tree"><span class="tl">branches</span>{"".join(items)}</div>'
 
 
 def _metric(value: str, label: str, hint: str) -> str:
@@ -148,17 +189,23 @@ def _samples_html(col: Column) -> str:
                    for o in outs[1:])
 
 
-def column_html(col: Column, greedy: Column | None = None, spec_k: int = 4) -> str:
+def column_html(col: Column, greedy: Column | None = None, spec_k: int = 4, tree: BranchTree | None = None) -> str:
+    """One column; with its `tree`, the tree's active branch (`col` is then ignored) and the tree itself."""
+    branch: Branch | None = tree.current if tree is not None else None
+    if branch is not None:
+        col = branch.column
     color = MODE_COLORS.get(col.mode, "#64748b")
-    parts = [f'<div class="dl-col" style="--mode:{color}" data-mode="{col.mode}" data-status="{col.status}">',
-             f'<div class="hd">{_pill(col)}</div>', metrics_html(col)]
+    parts = [f'<div class="dl-col" style="--mode:{color}" data-mode="{col.mode}" data-status="{col.status}" '
+             f'data-branch="{branch.id if branch else 0}">',
+             f'<div class="hd">{_pill(col)}</div>', tree_html(tree) if tree is not None else "", metrics_html(col)]
     if col.mode == "speculative":
         parts.append(_spec_html(col, greedy, spec_k))
     if col.error:
         parts.append(f'<div class="err" role="alert">{escape(col.error)}</div>')
     main = col.outputs.get(0)
-    if main is not None:
-        parts.append(f'<div class="txt">{tokens_html(main)}</div>')
+    if main is not None or (branch is not None and branch.inherited):
+        tokens = branch.tokens() if branch is not None else main.tokens
+        parts.append(f'<div class="txt">{main_tokens_html(tokens, len(branch.inherited) if branch else 0)}</div>')
     elif col.status in ("queued", "waiting", "running"):
         parts.append('<div class="txt"><span class="dim">waiting for the first token…</span></div>')
     elif col.status == "idle":

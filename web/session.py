@@ -16,7 +16,9 @@ from shared import monitor
 from shared.client import EngineClient, QueueFull
 from shared.keys import Keys
 from shared.monitor import KVSnapshot
-from web.columns import Column
+from shared.protocol import new_request_id
+from web.branches import Branch, BranchError, BranchTree, continuation
+from web.columns import Column, Token
 from web.modes import MODES, InputError, Settings, build_request
 
 log = logging.getLogger("decodelab.web")
@@ -62,6 +64,7 @@ class Run:
     def __init__(self, service: Service, settings: Settings, share_prompt: bool = True, client_id: str = ""):
         self.service, self.settings, self.share_prompt, self.client_id = service, settings, share_prompt, client_id
         self.columns = {m: Column(m) for m in MODES}
+        self.trees = {m: BranchTree.of(c) for m, c in self.columns.items()}  # each column's root + its branches
         self.started_at = time.time()
         self.kv: list[KVSnapshot] = []
         self.kv_peak: KVSnapshot | None = None  # the snapshot with the most blocks held by this run
@@ -77,8 +80,20 @@ class Run:
     def finished(self) -> bool:
         return all(c.finished for c in self.columns.values())
 
+    def all_columns(self) -> list[Column]:
+        """The roots and every branch."""
+        return [c for t in self.trees.values() for c in t.columns()]
+
+    def owners(self) -> dict[str, str]:
+        """request id -> its KV-map label: the mode, with the branch number for branches."""
+        return {b.column.request_id: m if b.parent is None else f"{m} ⑂{b.id}"
+                for m, t in self.trees.items() for b in t.branches if b.column.request is not None}
+
     def stop(self) -> None:
         """Cancel every request still out (called on the run's event loop, e.g. by the Stop button)."""
+        branches = [c for c in self.all_columns() if c not in self.columns.values() and not c.finished]
+        if branches:
+            self._tasks.append(asyncio.create_task(self._cancel_quietly(branches)))
         if self._stop_at is None:
             self._stop_at = time.monotonic()
             self._tasks.append(asyncio.create_task(self._cancel_quietly()))
@@ -206,11 +221,11 @@ class Run:
                     if pos != col.queue_position:
                         col.queue_position = pos
                         col.touch()
-        self._take_kv(await self.service.kv())
+        self.take_kv(await self.service.kv())
 
-    def _take_kv(self, snaps: list[KVSnapshot]) -> None:
+    def take_kv(self, snaps: list[KVSnapshot]) -> None:
         self.kv = snaps
-        ours = {c.request_id for c in self.columns.values() if c.request is not None}
+        ours = {c.request_id for c in self.all_columns() if c.request is not None}
 
         def held(s: KVSnapshot) -> int:
             return len({b for q in s.seqs if q.request_id in ours for b in q.blocks})
@@ -224,3 +239,44 @@ class Run:
         for col in self.columns.values():
             if not col.finished:
                 col.fail(message, code)
+
+    # ---- branches (web/branches.py): forked from a token after or during the run, each streamed by its caller
+    def fork(self, mode: str, parent: int, pos: int, picked: Token) -> Branch:
+        """A branch of `mode`'s column from `parent`'s tokens[:pos] + `picked`, its request ready to send;
+        BranchError when that is not possible."""
+        tree = self.trees[mode]
+        root = tree.root.column.request
+        if root is None:
+            raise BranchError(f"branch: the {mode} column sent no request")
+        branch = tree.fork(parent, pos, picked, Column(mode))
+        params = root.params.model_copy(update={"max_tokens": max(1, root.params.max_tokens - len(branch.inherited))})
+        col = branch.column
+        col.request = root.model_copy(update={"request_id": new_request_id(), "created_at": time.time(),
+                                              "continuation": continuation(branch.inherited), "params": params})
+        col.status = "queued"
+        col.touch()
+        return branch
+
+    async def follow(self, branch: Branch, min_interval: float = 0.12) -> AsyncIterator[None]:
+        """Send the branch's request and yield on every change until it ends; cancels it if the caller goes."""
+        col = branch.column
+        self.loop = self.loop or asyncio.get_running_loop()
+        task = asyncio.create_task(self._stream(col))
+        seen = -1
+        try:
+            while True:
+                if col.version != seen:
+                    seen = col.version
+                    yield
+                if col.finished:
+                    return
+                if task.done():  # _stream always ends its column; this is the belt to its braces
+                    col.fail("the stream ended without a result", "unavailable")
+                    continue
+                await asyncio.sleep(min_interval)
+        finally:
+            if not task.done():
+                task.cancel()
+            if not col.finished:
+                await asyncio.shield(self._cancel_quietly([col]))
+                col.fail("stopped", "cancelled", "cancelled")

@@ -1,12 +1,14 @@
 """`decodelab bench throughput`: offline throughput on a traffic-shaped workload, against HF
-static batches and HF continuous batching, plus the compute roofline, single-stream decode and
-KV-slot waste. Writes benchmarks/results/throughput.json and throughput.png."""
+static batches and HF continuous batching, plus the compute roofline, single-stream decode (against
+llama.cpp on the same GGUF file when llama-cpp-python is installed: bench/llamacpp.py) and KV-slot
+waste. Writes benchmarks/results/throughput.json and throughput.png."""
 import platform
 import time
 
 import torch
 
-from engine_service.bench.common import matmul_peak_gflops, median, mixed_workload, write_results
+from engine_service.bench import llamacpp
+from engine_service.bench.common import cpu_info, matmul_peak_gflops, median, mixed_workload, write_results
 from engine_service.engine.models.loader import head_dim as hf_head_dim
 from engine_service.engine.sampling_params import SamplingParams
 
@@ -17,6 +19,7 @@ def add_parser(bench_sub, add_engine_args) -> None:
     p.add_argument("--num-requests", type=int, default=128)
     p.add_argument("--hf-batch-size", type=int, default=32)
     p.add_argument("--skip-hf", action="store_true", help="only measure our engine")
+    p.add_argument("--skip-llamacpp", action="store_true", help="no llama.cpp single-stream anchor")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results")
     p.set_defaults(func=run)
@@ -42,6 +45,9 @@ def run_engine(llm, work) -> dict:
             "kv_waste_paged": 1 - filled_total / max(paged, 1),
             "kv_waste_contiguous_request_max": 1 - filled_total / max(contiguous, 1),
             "preemptions": engine.scheduler.num_preemptions}
+
+
+SINGLE_STREAM = dict(prompt_len=32, new_tokens=128)  # ours and llama.cpp's alike
 
 
 def single_stream(llm, prompt_len: int = 32, new_tokens: int = 128) -> dict:
@@ -122,6 +128,7 @@ def run(args) -> int:
     work = mixed_workload(args.num_requests, vocab, seed=args.seed)
     res = {"model": args.model, "dtype": llm.engine.config.dtype, "threads": torch.get_num_threads(),
            "machine": f"{platform.processor() or platform.machine()} x{torch.get_num_threads()} threads",
+           "cpu": cpu_info(),
            "workload": {"requests": len(work.prompts), "prompt_tokens": sum(map(len, work.prompts)),
                         "output_tokens": work.output_tokens}}
     peak = matmul_peak_gflops()
@@ -135,8 +142,18 @@ def run(args) -> int:
     res["ours"] = run_engine(llm, work)
     save()
     print(f"ours: {res['ours']['tok_per_s']:.1f} tok/s", flush=True)
-    res["single_stream"] = single_stream(llm)
+    res["single_stream"] = single_stream(llm, **SINGLE_STREAM)
     print(f"single stream: {res['single_stream']['tok_per_s']:.1f} tok/s", flush=True)
+    res["llamacpp_single_stream"] = ({"skipped": "--skip-llamacpp"} if args.skip_llamacpp
+                                     else llamacpp.single_stream(args.model, res["threads"], **SINGLE_STREAM))
+    anchor = res["llamacpp_single_stream"]
+    if "tok_per_s" in anchor:
+        res["single_stream"]["vs_llamacpp"] = res["single_stream"]["tok_per_s"] / anchor["tok_per_s"]
+        print(f"llama.cpp single stream: {anchor['tok_per_s']:.1f} tok/s, ours / llama.cpp "
+              f"{res['single_stream']['vs_llamacpp']:.2f}x (goal >= 0.5x)", flush=True)
+    else:
+        print(f"llama.cpp single stream: skipped ({anchor['skipped']})", flush=True)
+    save()
     res["batched_decode"] = batched_decode(llm, batch=min(128, args.max_num_seqs), context=256)
     res["batched_decode"]["roofline_fraction"] = res["batched_decode"]["gflops"] / res["peak_gflops"]
     print(f"batched decode: {res['batched_decode']}", flush=True)
@@ -185,11 +202,17 @@ def plot(res: dict, path) -> None:
     goals = [("single stream\n(tok/s, goal 25)", res.get("single_stream", {}).get("tok_per_s"), 25),
              ("batched decode\n(% of GEMM roof, goal 40)",
               100 * res["batched_decode"]["roofline_fraction"] if "batched_decode" in res else None, 40)]
+    anchor = res.get("llamacpp_single_stream", {}).get("tok_per_s")
+    if anchor is not None:  # beside ours; ours / llama.cpp goal >= 0.5x
+        goals.insert(1, (f"llama.cpp, same GGUF\n(tok/s; ours\n{res['single_stream']['vs_llamacpp']:.2f}x, goal 0.5)",
+                         anchor, None))
     goals = [g for g in goals if g[1] is not None]
-    c.bar([g[0] for g in goals], [g[1] for g in goals], color="tab:green")
+    c.bar([g[0] for g in goals], [g[1] for g in goals],
+          color=["tab:gray" if g[2] is None else "tab:green" for g in goals])
     for i, (_, v, goal) in enumerate(goals):
         c.text(i, v, f"{v:.1f}", ha="center", va="bottom")
-        c.hlines(goal, i - 0.4, i + 0.4, colors="black", linestyles="--")
+        if goal is not None:
+            c.hlines(goal, i - 0.4, i + 0.4, colors="black", linestyles="--")
     c.set_title(f"decode (roof {res.get('peak_gflops', 0):.0f} GFLOP/s); dashed: goals")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -53,6 +53,9 @@ class BeamSearch:
         vocab = processed.shape[1]
         total = (processed + self.scores[:, None]).view(-1)
         top, flat = total.topk(min(self.num_candidates, total.numel()))
+        # a grammar (structured outputs) may allow fewer tokens than candidates: never continue a -inf one
+        finite = int(torch.isfinite(top).sum())
+        top, flat = top[:finite], flat[:finite]
         parents, tokens = (flat // vocab).tolist(), (flat % vocab).tolist()
         gen_len = beams[0].num_output_tokens + 1
         assert all(s.num_output_tokens + 1 == gen_len for s in beams), "beams of a request step together"

@@ -15,12 +15,13 @@ from engine_service.engine.models.loader import load_tokenizer, resolve_model
 from engine_service.engine.outputs import RequestOutput, request_output
 from engine_service.engine.prompt_logprobs import positions_to_score, score_prompt
 from engine_service.engine.proposers import DraftModel
-from engine_service.engine.sampler import SamplingBatch, process_logits, sample
+from engine_service.engine.sampler import SamplingBatch, entropy, process_logits, sample
 from engine_service.engine.sampling_params import SamplingParams
 from engine_service.engine.scheduler import Scheduler
 from engine_service.engine.sequence import Request, Sequence, SpecStats
 from engine_service.engine.spec_decode import SpecDecoder
 from engine_service.engine.stats import EngineStats
+from engine_service.engine.structured import GrammarState, StructuredDecoding, masks
 
 
 class LLMEngine:
@@ -46,6 +47,7 @@ class LLMEngine:
             draft_dir = resolve_model(config.draft_model, config.cache_dir)
             drafter = DraftModel(config, draft_dir, self.vocab_size, self.tokenizer, load_tokenizer(draft_dir))
         self.spec = SpecDecoder(drafter, self._sampling_batch)
+        self._structured: StructuredDecoding | None = None  # the grammar compiler, built for the first grammar
         self.limits = EngineLimits(self.vocab_size, self.max_model_len, config.block_size,
                                    self.block_manager.num_blocks, config.max_beam_width, drafter is not None)
 
@@ -59,11 +61,13 @@ class LLMEngine:
         req = Request(request_id, text, token_ids, params)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]  # the first prompt token has no log-prob
-        if params.mode == "beam":
-            req.beam = BeamSearch(req, self._stop_ids(params))
+        grammar = self._grammar(params)  # compiled (or cached) before anything is queued: ValueError if bad
+        if params.mode == "beam":  # a beam whose grammar ended stops like one that drew a stop token
+            req.beam = BeamSearch(req, self._stop_ids(params) | self._grammar_stop_ids(params))
         elif params.mode == "speculative":
             req.spec = SpecStats(params.proposer, params.num_speculative_tokens)
         seq = self._new_seq(req, list(token_ids), 0)
+        seq.grammar = grammar
         if req.spec is not None:
             seq.spec_marks = []
             seq.spec_seed = params.seed if params.seed is not None else int(torch.randint(2 ** 62, ()))
@@ -135,6 +139,7 @@ class LLMEngine:
                 req.forked = True
                 for index in range(1, req.params.n):
                     child = self._new_seq(req, list(seq.token_ids), index)
+                    child.grammar = seq.grammar.fork() if seq.grammar is not None else None
                     self.block_manager.fork(seq, child)
                     self.scheduler.add_running(child, after=seq)
                     to_sample.append((child, row))
@@ -144,8 +149,8 @@ class LLMEngine:
         if to_sample:
             sampled = run_isolated(to_sample, lambda items: self._sample(logits, items), self._fail)
             now = time.monotonic()
-            for (seq, _), (token, logprob, top) in sampled:
-                self._append_token(seq, token, logprob, top, now)
+            for (seq, _), (token, logprob, top, ent) in sampled:
+                self._append_token(seq, token, logprob, top, now, ent)
                 touched[seq.request.request_id] = seq.request
         if spec:
             for req in self._verify(spec, now):
@@ -156,9 +161,12 @@ class LLMEngine:
         touched.update((rid, self.requests[rid]) for rid in self.errors)
         return [self._output(req) for req in touched.values()]
 
-    def _sample(self, logits: torch.Tensor, items: list[tuple[Sequence, int]]) -> list[tuple[int, float, dict | None]]:
+    def _sample(self, logits: torch.Tensor, items: list[tuple[Sequence, int]]) -> list[tuple]:
+        """(token, its log-prob, top {id: log-prob} or None, entropy or None) per item."""
         out = sample(logits[[r for _, r in items]], self._sampling_batch([s for s, _ in items]))
-        return out.rows([s.request.params.logprobs for s, _ in items])
+        asked = [s.request.params.logprobs for s, _ in items]
+        ents = out.entropy.tolist() if out.entropy is not None else [None] * len(items)
+        return [(*row, e if k is not None else None) for row, e, k in zip(out.rows(asked), ents, asked)]
 
     def _verify(self, items: list[tuple[Sequence, torch.Tensor]], now: float) -> list[Request]:
         """Speculative sequences: keep the accepted drafts plus one target token; roll back the rest."""
@@ -172,7 +180,8 @@ class LLMEngine:
                     values, ids = row.topk(p.logprobs)
                     top = dict(zip(ids.tolist(), values.tolist()))
                 seq.spec_marks.append(mark)
-                self._append_token(seq, token, float(row[token]), top, now)
+                ent = float(entropy(row)) if p.logprobs is not None else None
+                self._append_token(seq, token, float(row[token]), top, now, ent)
                 if seq.is_finished:
                     break
             if not seq.is_finished:
@@ -191,6 +200,9 @@ class LLMEngine:
             if req.beam.ready(req):
                 try:
                     req.beam.step(req, self._fork_beam, self.scheduler.finish)
+                    for seq in req.seqs if not req.beam.done else []:
+                        if seq.grammar is not None:
+                            seq.grammar.sync(seq.output_token_ids)
                 except Exception as e:  # this request alone ends (isolation.py)
                     self._fail(req, e)
                     continue
@@ -207,27 +219,55 @@ class LLMEngine:
 
     def _fork_beam(self, parent: Sequence) -> Sequence:
         child = self._new_seq(parent.request, list(parent.token_ids), parent.index)
+        # the parse state forks with the blocks: a deep copy at the parent's state, before either moves on
+        child.grammar = parent.grammar.fork() if parent.grammar is not None else None
         child.cumulative_logprob, child.logprobs = parent.cumulative_logprob, list(parent.logprobs)
         self.block_manager.fork(parent, child)
         self.scheduler.add_running(child, after=parent)
         return child
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
-        return SamplingBatch.of(seqs, self._stop_ids)
+        """Sequences or proposer Contexts -> their processors, with the grammar masks of constrained rows."""
+        b = SamplingBatch.of(seqs, self._stop_ids)
+        if any(s.grammar is not None for s in seqs):
+            b.grammar = masks([(s.grammar, s.token_ids[len(s.request.prompt_token_ids):]) for s in seqs],
+                              self.vocab_size)
+        return b
+
+    def _grammar(self, params: SamplingParams) -> GrammarState | None:
+        if params.structured_outputs is None:
+            return None
+        if self._structured is None:
+            self._structured = StructuredDecoding(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids),
+                                                  max(1, self.config.num_threads or 1))
+        return self._structured.new_state(params.structured_outputs, self._grammar_stop_ids(params))
+
+    def _grammar_stop_ids(self, p: SamplingParams) -> set[int]:
+        """What a grammar ends on: the request's stop tokens, or EOS when it ignores EOS and names none."""
+        if p.structured_outputs is None:
+            return set()
+        return self._stop_ids(p) or set(self.eos_token_ids)
 
     def _stop_ids(self, p: SamplingParams) -> set[int]:
         return set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
 
-    def _append_token(self, seq: Sequence, token: int, logprob: float, top: dict | None, now: float) -> None:
+    def _append_token(self, seq: Sequence, token: int, logprob: float, top: dict | None, now: float,
+                      nats: float | None = None) -> None:
         req, p = seq.request, seq.request.params
         seq.token_ids.append(token)
         seq.cumulative_logprob += logprob
         if p.logprobs is not None:
             seq.logprobs.append({**(top or {}), token: logprob})
+            if nats is not None:  # the entropy of the distribution it was drawn from
+                seq.entropies.append(nats)
         req.first_token_time = req.first_token_time or now
         req.last_token_time = now
-        last = seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len
-        if self.detok.append(seq, last):
+        ended = False  # the grammar accepted its stop token: nothing may follow
+        if seq.grammar is not None:
+            seq.grammar.sync(seq.output_token_ids)
+            ended = seq.grammar.terminated
+        last = seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len or ended
+        if self.detok.append(seq, last) or ended:
             self._finish(seq, "stop")
         elif last:
             self._finish(seq, "length")

@@ -20,6 +20,9 @@ class CompletionOutput:
     # "resampled" (drawn by the target after a rejection), "bonus" (drawn after all k were accepted),
     # "target" (decoded without a proposal: the first token, or no n-gram match)
     spec_marks: list[str] | None = None
+    # with logprobs: the entropy (nats) of the raw distribution each token was drawn from; None where the
+    # mode does not report it (beam search)
+    entropies: list[float] | None = None
 
 
 @dataclass
@@ -63,7 +66,9 @@ def request_output(req: "Request", detok: "Detokenizer", finished: bool, error: 
         with_logprobs = req.params.logprobs is not None
         outs = [CompletionOutput(s.index, detok.visible_text(s), list(s.output_token_ids), s.cumulative_logprob,
                                  list(s.logprobs) if with_logprobs else None, s.finish_reason,
-                                 spec_marks=list(s.spec_marks) if s.spec_marks is not None else None)
+                                 spec_marks=list(s.spec_marks) if s.spec_marks is not None else None,
+                                 entropies=list(s.entropies) if with_logprobs and len(s.entropies) == len(
+                                     s.logprobs) else None)
                 for s in sorted(req.seqs, key=lambda s: s.index)]
     if req.spec is not None:
         metrics.spec = req.spec.to_dict()

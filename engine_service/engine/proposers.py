@@ -21,6 +21,7 @@ from engine_service.engine.model_runner import ModelRunner
 from engine_service.engine.sampler import SamplingBatch, position_noise, process_logits
 from engine_service.engine.scheduler import ScheduledBatch
 from engine_service.engine.sequence import Request, Sequence
+from engine_service.engine.structured import GrammarState
 
 
 def ngram_propose(token_ids: list[int], k: int, ngram_min: int, ngram_max: int) -> list[int]:
@@ -41,6 +42,7 @@ class Context:
     request: Request
     token_ids: list[int]
     generator: torch.Generator | None
+    grammar: GrammarState | None = None  # the sequence's matcher (accepted up to its own tokens, not the drafts)
 
     @property
     def num_tokens(self) -> int:
@@ -120,7 +122,7 @@ class DraftModel:
                 m.num_computed_tokens += n
                 self.bm.cache_full_blocks(m)
             sb: SamplingBatch = sampling_batch([Context(items[i][0].request, mirrors[i].token_ids,
-                                                        items[i][0].generator) for i in live])
+                                                        items[i][0].generator, items[i][0].grammar) for i in live])
             processed = process_logits(logits[rows], sb)
             for row, i in enumerate(live):
                 seq, scores = items[i][0], processed[row]

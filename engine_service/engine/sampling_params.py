@@ -7,6 +7,39 @@ SAMPLING_EPS = 1e-5
 
 
 @dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a grammar (vLLM's shape): exactly one of `json` (a JSON schema, dict or string),
+    `regex`, `choice` (one of these strings), `grammar` (EBNF, xgrammar's dialect) or `json_object=True` (any JSON
+    object). The engine compiles it with xgrammar and masks every step's logits (engine/structured.py)."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = False  # JSON: the compact separators only, no free whitespace
+
+    def validate(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] * (self.json_object is True)
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs: give exactly one of json, regex, choice, grammar, json_object; "
+                             f"got {', '.join(given) or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(f"structured_outputs: json must be a JSON schema (object or string), got {self.json!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                raise ValueError(f"structured_outputs: {name} must be a non-empty string, got {value!r}")
+        if self.choice is not None and not (isinstance(self.choice, list) and self.choice
+                                            and all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError(f"structured_outputs: choice must be a non-empty list of non-empty strings, "
+                             f"got {self.choice!r}")
+        if not isinstance(self.json_object, bool) or not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError("structured_outputs: json_object and disable_any_whitespace must be true or false")
+
+
+@dataclass
 class SamplingParams:
     """Per-request decoding parameters; field names follow vLLM."""
 
@@ -39,10 +72,17 @@ class SamplingParams:
     num_speculative_tokens: int = 4
     ngram_min: int = 1  # n-gram proposer: shortest / longest suffix looked up in the context
     ngram_max: int = 3
+    # grammar-constrained decoding (a dict is taken as StructuredOutputsParams' fields), in every mode
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:
+                raise ValueError(f"structured_outputs: {e}") from None
         if self.mode is None:
             self.mode = "greedy" if self.temperature == 0 else "sample"
         self.validate()
@@ -109,6 +149,12 @@ class SamplingParams:
         if not isinstance(self.ngram_min, int) or not isinstance(self.ngram_max, int) \
                 or not 1 <= self.ngram_min <= self.ngram_max <= 16:
             bad("ngram_min", f"need 1 <= ngram_min <= ngram_max <= 16, got {self.ngram_min!r}, {self.ngram_max!r}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                bad("structured_outputs", f"must be StructuredOutputsParams, got {self.structured_outputs!r}")
+            self.structured_outputs.validate()
+            if self.min_tokens:  # the grammar decides where the output ends: banning its stop token could mask all
+                bad("min_tokens", "not supported with structured_outputs (the grammar decides where the output ends)")
         if self.mode == "beam":
             self._validate_beam(bad)
         elif self.beam_width != 1:

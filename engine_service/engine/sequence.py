@@ -6,6 +6,7 @@ from typing import Protocol
 import torch
 
 from engine_service.engine.sampling_params import SamplingParams
+from engine_service.engine.structured import GrammarState
 
 
 class SequenceStatus(Enum):
@@ -28,6 +29,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    entropies: list[float] = field(default_factory=list)  # beside logprobs: nats of each raw distribution
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     text: str = ""
@@ -39,6 +41,7 @@ class Sequence:
     spec_seed: int = 0  # keys the sampling noise of each position (spec_decode); the request's seed if set
     draft_probs: torch.Tensor | None = None  # unused: coupled verification needs no q (isolation.py saves it)
     spec_marks: list[str] | None = None  # per generated token, see CompletionOutput.spec_marks
+    grammar: GrammarState | None = None  # structured outputs: this stream's matcher (structured.py)
 
     @property
     def num_tokens(self) -> int:

@@ -21,6 +21,9 @@ usual rejection sampler draws a different number of uniforms when the drafts are
 draft model's proposal is kept with probability >= (1 - TV) / (1 + TV) instead of 1 - TV (TV: the
 total variation distance of p and q); an n-gram point mass x is kept with probability p(x) either way.
 Greedy requests keep the longest prefix equal to the target's argmax, then take the target's token.
+With structured outputs, p_t (and q_t) are masked by the grammar after the prefix and the drafts before t
+(structured.masks), and drafts the grammar refuses are cut when proposed: the output is exactly a sample of
+the constrained target.
 The KV of rejected drafts is rolled back (BlockManager.truncate); the draft cache rolls back lazily
 in DraftModel._sync.
 """
@@ -86,6 +89,8 @@ class SpecDecoder:
                 self._attach(seq, drafts)
 
     def _attach(self, seq: Sequence, drafts: list[int]) -> None:
+        if drafts and seq.grammar is not None:  # a draft the grammar refuses could never be kept: cut it here
+            drafts = seq.grammar.valid_prefix(seq.output_token_ids, drafts)
         if drafts:
             seq.token_ids += drafts
             seq.num_draft_tokens = len(drafts)
@@ -109,7 +114,8 @@ class SpecDecoder:
         contexts = []
         for seq, rows in items:
             base = seq.num_tokens - seq.num_draft_tokens
-            contexts += [Context(seq.request, seq.token_ids[:base + j], seq.generator) for j in range(len(rows))]
+            contexts += [Context(seq.request, seq.token_ids[:base + j], seq.generator, seq.grammar)
+                         for j in range(len(rows))]
         raw = torch.cat([rows for _, rows in items])
         processed = process_logits(raw.clone(), self.sampling_batch(contexts))
         logprobs = raw.log_softmax(dim=-1)

@@ -104,9 +104,11 @@ class EngineLoop:
             return
         try:
             prompt = self._prompt(job)
-            # a text prompt is counted here, before the engine sees it (a token-id prompt was counted at intake)
-            why = (s.cfg.limits.check_prompt_tokens(len(self.engine.tokenizer(prompt).input_ids))
-                   if isinstance(prompt, str) else None)
+            # a text prompt is counted here, before the engine sees it (a token-id prompt was counted at intake,
+            # unless a continuation grew it here)
+            counted = isinstance(prompt, list) and job.request.continuation is None
+            why = None if counted else s.cfg.limits.check_prompt_tokens(
+                len(prompt) if isinstance(prompt, list) else len(self.engine.tokenizer(prompt).input_ids))
             if why:
                 s.end(job, error_event(job, "limit_exceeded", why))
                 return
@@ -121,8 +123,18 @@ class EngineLoop:
 
     def _prompt(self, job: Job) -> str | list[int]:
         req = job.request
-        if req.messages is None:
-            return req.prompt
+        prompt = req.prompt if req.messages is None else self._template(req)
+        if req.continuation is None:
+            return prompt
+        # token ids, tokenized as the engine would the text (admission.check_request): the shared prefix then
+        # has the same ids, so it hits the prefix cache
+        tok = self.engine.tokenizer
+        ids = list(prompt) if isinstance(prompt, list) else tok(prompt).input_ids
+        for part in req.continuation.parts:
+            ids += part if isinstance(part, list) else tok(part, add_special_tokens=False).input_ids
+        return ids
+
+    def _template(self, req) -> str:
         try:
             return self.engine.tokenizer.apply_chat_template(
                 [m.model_dump() for m in req.messages], tokenize=False, add_generation_prompt=True)

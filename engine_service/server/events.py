@@ -7,21 +7,27 @@ Prompt log-probs (params.prompt_logprobs) ride on the first TokenEvent after the
 """
 from __future__ import annotations
 
+import math
 import time
 
 from engine_service.server.jobs import Job
 from shared.protocol import Completion, DoneEvent, ErrorEvent, Metrics, PromptScores, TokenEvent, TokenLogprob
 
 
-def token_logprobs(tokenizer, token_ids: list[int], entries: list[dict[int, float]]) -> list[TokenLogprob]:
+def token_logprobs(tokenizer, token_ids: list[int], entries: list[dict[int, float]],
+                   entropies: list[float] | None = None) -> list[TokenLogprob]:
     def lp(x: float) -> float | None:
         return x if x > float("-inf") else None
 
+    def nats(i: int) -> float | None:
+        x = entropies[i] if entropies is not None and i < len(entropies) else None
+        return x if x is not None and math.isfinite(x) else None
+
     out = []
-    for tid, top in zip(token_ids, entries):
+    for i, (tid, top) in enumerate(zip(token_ids, entries)):
         ranked = sorted(top.items(), key=lambda kv: -kv[1])
         out.append(TokenLogprob(token_id=tid, token=tokenizer.decode([tid]), logprob=lp(top.get(tid, float("-inf"))),
-                                top=[(t, tokenizer.decode([t]), lp(v)) for t, v in ranked]))
+                                top=[(t, tokenizer.decode([t]), lp(v)) for t, v in ranked], entropy=nats(i)))
     return out
 
 
@@ -50,7 +56,8 @@ def token_events(job: Job, out, tokenizer) -> list[TokenEvent]:
         new_ids = comp.token_ids[start:]
         logprobs = None
         if comp.logprobs is not None:
-            logprobs = token_logprobs(tokenizer, new_ids, comp.logprobs[start:])
+            ents = getattr(comp, "entropies", None)
+            logprobs = token_logprobs(tokenizer, new_ids, comp.logprobs[start:], ents[start:] if ents else None)
         marks = comp.spec_marks
         events.append(TokenEvent(request_id=job.rid, seq=job.next_seq(), attempt=job.attempt, index=comp.index,
                                  text_delta=comp.text if reset else comp.text[len(sent_text):], token_ids=new_ids,
@@ -70,7 +77,8 @@ def done_event(job: Job, reason: str | None, outputs, tokenizer, replica: str) -
     else:
         completions = [Completion(index=c.index, text=c.text, token_ids=c.token_ids, finish_reason=c.finish_reason,
                                   cumulative_logprob=c.cumulative_logprob,
-                                  logprobs=(token_logprobs(tokenizer, c.token_ids, c.logprobs)
+                                  logprobs=(token_logprobs(tokenizer, c.token_ids, c.logprobs,
+                                                           getattr(c, "entropies", None))
                                             if c.logprobs is not None else None),
                                   score=c.score, spec=c.spec_marks)
                        for c in outputs]

@@ -94,7 +94,8 @@ BAD = [
     ({"prompt": "x"}, 400, "model"),
     ({"model": "tiny", "prompt": "x", "frequency_penalty": 2.5}, 400, "frequency_penalty"),
     ({"model": "tiny", "prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
-    ({"model": "tiny", "prompt": "x", "response_format": {"type": "json_object"}}, 400, "structured output"),
+    ({"model": "tiny", "prompt": "x", "response_format": {"type": "json_schema"}}, 400, "json_schema"),
+    ({"model": "tiny", "prompt": "x", "structured_outputs": {"regex": "(["}}, 400, "structured_outputs"),
     ({"model": "tiny", "prompt": "x", "stop": ["a"] * 17}, 400, "stop"),  # the body allows it, the protocol does not
     ({"model": "tiny", "prompt": "x", "top_k": 1 << 63}, 400, "top_k"),  # would overflow the sampler's int64
     ({"model": "tiny", "prompt": "x", "mode": "beam", "temperature": 0, "length_penalty": 1e308}, 400, "length"),

@@ -6,6 +6,7 @@ Two stacks share the session's Redis (tests/conftest.py) under different key pre
 from __future__ import annotations
 
 import os
+import tempfile
 import uuid
 
 os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
@@ -17,6 +18,9 @@ from shared.keys import Keys  # noqa: E402
 from tests.replicas import Replica  # noqa: E402
 
 TINY_KV_BLOCKS = 256
+CHROMIUM = "/usr/bin/chromium"  # Debian's, never `playwright install`
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
 class WebApp:
@@ -85,3 +89,27 @@ def redis_down_web():
     web = WebApp(f"redis://:nopass@127.0.0.1:{free_port()}/0", _keys("noredis"))
     yield web
     web.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """A headless Chromium with a fresh profile (the browser tests skip where it is missing)."""
+    from playwright.sync_api import sync_playwright
+
+    with tempfile.TemporaryDirectory(prefix="decodelab-chromium-") as profile, sync_playwright() as pw:
+        ctx = pw.chromium.launch_persistent_context(profile, executable_path=CHROMIUM, headless=True, args=ARGS,
+                                                    viewport={"width": 1600, "height": 1000})
+        ctx.set_default_timeout(15_000)
+        yield ctx
+        ctx.close()
+
+
+@pytest.fixture
+def page(browser):
+    """A new tab that records console errors and page errors in `page.errors`."""
+    page = browser.new_page()
+    page.errors = []
+    page.on("console", lambda m: page.errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: page.errors.append(str(e)))
+    yield page
+    page.close()

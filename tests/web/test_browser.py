@@ -7,40 +7,18 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from playwright.sync_api import expect, sync_playwright
+from playwright.sync_api import expect
 
 from tests.helpers import ROOT
+from tests.web.conftest import CHROMIUM
 
 # the README's screenshot is refreshed on demand (DECODELAB_UPDATE_SCREENSHOT=1 make test), not by every run
 SCREENSHOT = (ROOT / "docs" / "screenshot.png" if os.environ.get("DECODELAB_UPDATE_SCREENSHOT")
               else Path(tempfile.gettempdir()) / "decodelab-screenshot.png")
-CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 FINAL = ("done", "error", "cancelled", "invalid")
 MODES = ("greedy", "beam", "sample", "speculative")
 
 pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="needs Debian's chromium (make test installs it)")
-
-
-@pytest.fixture(scope="module")
-def browser():
-    with tempfile.TemporaryDirectory(prefix="decodelab-chromium-") as profile, sync_playwright() as pw:
-        ctx = pw.chromium.launch_persistent_context(profile, executable_path=CHROMIUM, headless=True, args=ARGS,
-                                                    viewport={"width": 1600, "height": 1000})
-        ctx.set_default_timeout(15_000)
-        yield ctx
-        ctx.close()
-
-
-@pytest.fixture
-def page(browser):
-    page = browser.new_page()
-    page.errors = []
-    page.on("console", lambda m: page.errors.append(m.text) if m.type == "error" else None)
-    page.on("pageerror", lambda e: page.errors.append(str(e)))
-    yield page
-    page.close()
 
 
 def set_number(page, elem_id: str, value) -> None:
@@ -61,6 +39,7 @@ def test_a_run_fills_all_four_columns_the_kv_panel_and_the_summary(smol_stack, p
     web, _, _ = smol_stack
     page.goto(web.url)
     expect(page.locator("#dl-service")).to_contain_text("1 replica", timeout=10_000)
+    expect(page.locator("#dl-service")).to_contain_text("(float32)")  # the precision the replica runs
     page.locator("#prompt textarea").fill("Explain in three sentences why the sky is blue.")
     set_number(page, "max-tokens", 40)
     page.locator("#run").click()
@@ -81,7 +60,8 @@ def test_a_run_fills_all_four_columns_the_kv_panel_and_the_summary(smol_stack, p
     kv = page.locator("#kv")
     expect(kv).to_contain_text("prefix hits")
     assert kv.locator(".kt").count() == 8
-    assert kv.locator(".bmap i.u, .bmap i.sh").count() > 0  # the run's blocks, on the map
+    # the run's blocks, on the map (it is redrawn by the next pulse, which a loaded machine may delay)
+    expect(kv.locator(".bmap i.u, .bmap i.sh").first).to_be_attached(timeout=10_000)
     expect(kv.locator(".hold").first).to_be_visible()
     expect(page.locator("#chart img")).to_be_visible(timeout=10_000)  # the summary (matplotlib)
 

@@ -20,6 +20,7 @@ from fastapi.responses import Response, StreamingResponse
 from redis.exceptions import RedisError
 
 from engine_service.engine.sampling_params import SamplingParams
+from engine_service.engine.structured import build_grammar
 from engine_service.server.api.admission import RETRY_AFTER_S
 from engine_service.server.api.state import APIError, ServiceState
 from shared.client import QueueFull, Submission, TextAccumulator
@@ -50,8 +51,6 @@ STATUS_BY_CODE = {"invalid_request": 400, "unsupported_version": 400, "limit_exc
 
 FAILOVER_DIVERGED = ("the replica running this request failed and its re-run produced different text from what "
                      "was already streamed; the stream ends here rather than mix two runs")
-NO_STRUCTURED_OUTPUT = ("response_format: structured output is not available yet (this service has no grammar "
-                        "engine); only {\"type\": \"text\"} is accepted")
 
 
 @dataclass
@@ -101,8 +100,6 @@ def check(state: ServiceState, body, requests: list[GenerationRequest], reply: R
     if body.model != state.model_name:
         raise APIError(404, f"model {body.model!r} does not exist; this service serves {state.model_name!r}",
                        code="model_not_found")
-    if body.response_format is not None and body.response_format.type != "text":
-        raise APIError(400, NO_STRUCTURED_OUTPUT, code="unsupported_response_format")
     most = state.limits.max_per_client
     if most and len(requests) > most:  # each prompt is a request of this client: more could never all run
         raise APIError(400, f"prompt: a batch of {len(requests)} prompts is above this service's limit of {most} "
@@ -110,8 +107,10 @@ def check(state: ServiceState, body, requests: list[GenerationRequest], reply: R
     for request in requests:
         if (why := state.limits.check(request)):
             raise APIError(400, why, code="limit_exceeded")
-        try:  # the engine's own rules (mode/n/beam combinations, ...) before anything is queued
-            SamplingParams(**request.params.model_dump())
+        try:  # the engine's own rules (mode/n/beam combinations, a grammar that does not parse) before queueing
+            params = SamplingParams(**request.params.model_dump())
+            if params.structured_outputs is not None:
+                build_grammar(params.structured_outputs)
         except ValueError as e:
             raise APIError(400, str(e)) from None
     if (unknown := body.unknown_fields()):  # accepted as OpenAI's servers and vLLM accept them, but said once

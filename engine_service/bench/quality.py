@@ -1,0 +1,251 @@
+"""`decodelab bench quality`: what the approximate modes cost in quality, against the full-precision engine.
+
+Variants (one engine each, built in turn from the same engine options): the baseline (the dtype as given,
+float32 on CPU), int8 weights (`quantization="int8"`, models/int8_linear.py), an int8 KV cache
+(`kv_cache_dtype="int8"`, skipped with the reason when this tree's EngineConfig has no such field) and both.
+
+- Held-out text (`held_out_text`): English prose that ships with every Python, the Language Reference
+  topics of `pydoc_data.topics` (a fixed list, paragraphs re-flowed), not the int8 calibration text;
+  the JSON names the topics, the Python version and the text's sha256. Its first `text_tokens` tokens are
+  scored.
+- Perplexity through the engine itself: the token stream is cut into consecutive chunks of at most the
+  model's context (minus the one token each request must generate), each sent with
+  `SamplingParams(prompt_logprobs=0, max_tokens=1)`; ppl = exp(-mean log p) over every scored token (a
+  chunk's first token has no context and is not scored). That is Hugging Face's exp(loss) over the same
+  chunks (tests/engine/test_bench_quality.py holds it to 1e-3 relative).
+- Greedy divergence: `num_prompts` sentences of the same text as prompts, `new_tokens` greedy tokens each
+  (`ignore_eos`), all in one batch; per variant the index of the first token that differs from the
+  baseline's continuation (`new_tokens` when all agree), its distribution and the share identical throughout.
+
+A variant whose perplexity is more than 2% above the baseline's is marked "fails the 2% bar (not a
+default)". Writes benchmarks/results/quality.json and quality.png.
+"""
+from __future__ import annotations
+
+import gc
+import hashlib
+import math
+import re
+import sys
+import time
+from dataclasses import dataclass, fields, replace
+
+from engine_service.bench.common import cpu_info, median, write_results
+from engine_service.engine.config import EngineConfig
+from engine_service.engine.sampling_params import SamplingParams
+
+BAR = 0.02  # relative perplexity increase above which a variant may not be a default
+TOPICS = ("objects", "execmodel", "import", "function")  # pydoc_data.topics keys, prose first, no overlap
+SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    quantization: str | None = None
+    kv_cache_dtype: str | None = None
+
+
+@dataclass(frozen=True)
+class HeldOutText:
+    text: str
+    source: str
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.text.encode()).hexdigest()
+
+
+def add_parser(bench_sub, add_engine_args) -> None:
+    p = bench_sub.add_parser("quality", help="perplexity and greedy divergence: int8 weights / KV vs full precision")
+    add_engine_args(p)
+    p.add_argument("--text-tokens", type=int, default=4096, help="tokens of the held-out text to score")
+    p.add_argument("--chunk-tokens", type=int, default=None, help="tokens per scored chunk (default: the context)")
+    p.add_argument("--num-prompts", type=int, default=50)
+    p.add_argument("--new-tokens", type=int, default=32, help="greedy tokens per prompt")
+    p.add_argument("--out", default="benchmarks/results")
+    p.set_defaults(func=run)
+
+
+def held_out_text(topics: tuple[str, ...] = TOPICS) -> HeldOutText:
+    """The Language Reference topics of this Python's `pydoc_data`, in order; hard-wrapped prose paragraphs
+    joined into one line each, indented blocks (code, grammar) kept as they are."""
+    from pydoc_data.topics import topics as docs
+
+    paragraphs = []
+    for key in topics:
+        for para in re.split(r"\n\s*\n", docs[key].strip()):
+            lines = para.splitlines()
+            paragraphs.append(para if any(line.startswith(" ") for line in lines) else " ".join(lines))
+    version = ".".join(map(str, sys.version_info[:3]))
+    return HeldOutText("\n\n".join(paragraphs),
+                       f"pydoc_data.topics of CPython {version} (the Python Language Reference), topics "
+                       f"{', '.join(topics)}; paragraphs re-flowed")
+
+
+def sentences(text: str, count: int, min_words: int = 8, max_words: int = 40) -> list[str]:
+    """`count` prose sentences spread evenly over the text (no code blocks, no headings)."""
+    found = []
+    for para in text.split("\n\n"):
+        if para.startswith(" ") or "\n" in para:
+            continue
+        found += [s for s in re.split(r"(?<=[.!?])\s+(?=[A-Z])", para)
+                  if re.fullmatch(r"[A-Z][^*\n]*[.!?]", s) and min_words <= len(s.split()) <= max_words]
+    if len(found) <= count:
+        return found
+    return [found[i * len(found) // count] for i in range(count)]
+
+
+def chunks(ids: list[int], size: int) -> list[list[int]]:
+    """Consecutive, non-overlapping; a last piece of one token has nothing to score and is dropped."""
+    return [ids[i:i + size] for i in range(0, len(ids), size) if len(ids[i:i + size]) > 1]
+
+
+def engine_perplexity(llm, pieces: list[list[int]]) -> dict:
+    """exp(-mean log p) of every token after the first of each piece, from the engine's prompt log-probs."""
+    params = SamplingParams(prompt_logprobs=0, max_tokens=1, temperature=0.0)
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in pieces], params)
+    seconds = time.perf_counter() - start
+    total, n = 0.0, 0
+    for piece, out in zip(pieces, outs):
+        total += sum(out.prompt_logprobs[pos][piece[pos]] for pos in range(1, len(piece)))
+        n += len(piece) - 1
+    return {"ppl": math.exp(-total / n), "nll_per_token": -total / n, "scored_tokens": n, "seconds": seconds}
+
+
+def greedy_continuations(llm, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=new_tokens)
+    return [out.outputs[0].token_ids for out in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+
+
+def first_divergence(base: list[list[int]], other: list[list[int]]) -> list[int]:
+    """Per prompt, the index of the first token that differs (the length when none does)."""
+    return [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y))) for x, y in zip(base, other)]
+
+
+def divergence_summary(first: list[int], new_tokens: int) -> dict:
+    return {"first_diff": first, "histogram": [first.count(i) for i in range(new_tokens + 1)],
+            "identical_fraction": first.count(new_tokens) / len(first), "median_first_diff": median(first),
+            "mean_first_diff": sum(first) / len(first)}
+
+
+def variants(base_dtype: str) -> list[Variant]:
+    base = SHORT_DTYPE.get(base_dtype, base_dtype)
+    return [Variant(base), Variant("int8_weights", quantization="int8"), Variant("int8_kv", kv_cache_dtype="int8"),
+            Variant("int8_weights_int8_kv", quantization="int8", kv_cache_dtype="int8")]
+
+
+def variant_config(base: EngineConfig, v: Variant) -> EngineConfig | str:
+    """The engine config of a variant, or why this tree cannot build it."""
+    kv_field = next((f for f in fields(EngineConfig) if f.name == "kv_cache_dtype"), None)
+    if kv_field is None:
+        if v.kv_cache_dtype:
+            return ("kv_cache_dtype: EngineConfig has no such field in this tree (the INT8 KV cache is not in yet); "
+                    "row skipped")
+        return replace(base, quantization=v.quantization)
+    return replace(base, quantization=v.quantization, kv_cache_dtype=v.kv_cache_dtype or kv_field.default)
+
+
+def measure(base: EngineConfig, text: HeldOutText, text_tokens: int = 4096, chunk_tokens: int | None = None,
+            num_prompts: int = 50, new_tokens: int = 32) -> dict:
+    """Every variant's perplexity and greedy divergence from the first (the baseline), on the same tokens."""
+    from engine_service.engine.llm import LLM
+
+    res: dict = {"text": {"source": text.source, "sha256": text.sha256, "chars": len(text.text)},
+                 "prompts": {"source": "sentences of the held-out text, evenly spaced", "new_tokens": new_tokens},
+                 "bar": BAR, "variants": {}}
+    ids = pieces = prompts = baseline = None
+    for v in variants(base.dtype):
+        config = variant_config(base, v)
+        if isinstance(config, str):
+            res["variants"][v.name] = {"skipped": config}
+            print(f"{v.name}: skipped ({config})", flush=True)
+            continue
+        try:
+            llm = LLM(config=config)
+        except (ValueError, NotImplementedError) as e:  # e.g. a KV dtype this backend does not take
+            if baseline is None:
+                raise  # nothing to compare with
+            res["variants"][v.name] = {"skipped": f"{type(e).__name__}: {e}"}
+            print(f"{v.name}: skipped ({e})", flush=True)
+            continue
+        if ids is None:  # the baseline's tokenizer and context; every variant gets the same tokens
+            ids = llm.tokenizer(text.text, add_special_tokens=False).input_ids[:text_tokens]
+            size = min(chunk_tokens or llm.engine.max_model_len - 1, llm.engine.max_model_len - 1)
+            pieces = chunks(ids, size)
+            prompts = [llm.tokenizer(s, add_special_tokens=False).input_ids for s in sentences(text.text, num_prompts)]
+            res["text"].update(tokens=len(ids), chunk_tokens=size, chunks=len(pieces))
+            res["prompts"]["count"] = len(prompts)
+        row = {"quantization": v.quantization, "kv_cache_dtype": v.kv_cache_dtype, **engine_perplexity(llm, pieces)}
+        continuations = greedy_continuations(llm, prompts, new_tokens)
+        if baseline is None:
+            baseline = row | {"name": v.name, "continuations": continuations}
+        else:
+            row["rel_ppl_change"] = row["ppl"] / baseline["ppl"] - 1
+            row["verdict"] = ("fails the 2% bar (not a default)" if row["rel_ppl_change"] > BAR
+                              else "within the 2% bar")
+            row["divergence"] = divergence_summary(first_divergence(baseline["continuations"], continuations),
+                                                   new_tokens)
+        res["variants"][v.name] = row
+        print(f"{v.name}: ppl {row['ppl']:.4f}" + (f" ({row['rel_ppl_change']:+.2%}, {row['verdict']}; identical "
+              f"over {new_tokens} tokens: {row['divergence']['identical_fraction']:.0%})"
+              if "verdict" in row else ""), flush=True)
+        del llm
+        gc.collect()  # one engine's weights and KV pool at a time
+    res["baseline"] = baseline["name"] if baseline else None
+    return res
+
+
+def run(args) -> int:
+    import torch
+
+    from engine_service.engine.flags import engine_config_from_args
+
+    base = engine_config_from_args(args)
+    res = {"model": args.model, "dtype": base.dtype, "threads": args.threads or torch.get_num_threads(),
+           "cpu": cpu_info()}
+    res |= measure(base, held_out_text(), args.text_tokens, args.chunk_tokens, args.num_prompts, args.new_tokens)
+    path = write_results("quality", res, args.out)
+    plot(res, path.with_suffix(".png"))
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+    return 0
+
+
+def plot(res: dict, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = {k: v for k, v in res["variants"].items() if "ppl" in v}
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5))
+    names = [n for n in rows if "rel_ppl_change" in rows[n]]  # the baseline is the zero line
+    changes = [100 * rows[n]["rel_ppl_change"] for n in names]
+    a.bar(names, changes, color=["tab:red" if c > 100 * res["bar"] else "tab:green" for c in changes])
+    for i, n in enumerate(names):
+        a.text(i, changes[i], f"ppl {rows[n]['ppl']:.3f}\n{changes[i]:+.2f}%", ha="center",
+               va="bottom" if changes[i] >= 0 else "top")
+    a.axhline(100 * res["bar"], color="black", linestyle="--")
+    a.axhline(0, color="gray", linewidth=0.8)
+    a.set_ylim(min(0, *changes) * 1.3 - 0.5, max(100 * res["bar"], *changes) * 1.35 + 0.5)
+    skipped = [k for k, v in res["variants"].items() if "skipped" in v]
+    base = rows.get(res.get("baseline"), {})
+    a.set_ylabel(f"perplexity change vs {res.get('baseline')} (%)")
+    a.set_title(f"{res['model']}: {res['text'].get('tokens', 0)} held-out tokens, {res.get('baseline')} ppl "
+                f"{base.get('ppl', float('nan')):.3f}; dashed: the 2% bar"
+                + (f"\nskipped: {', '.join(skipped)}" if skipped else ""), fontsize=9)
+    n_new = res["prompts"]["new_tokens"]
+    for n in names:
+        if "divergence" not in rows[n]:
+            continue
+        first = rows[n]["divergence"]["first_diff"]
+        xs = list(range(n_new + 1))
+        b.step(xs, [sum(f >= x for f in first) / len(first) for x in xs], where="post", label=n)
+    b.set_xlabel("token index")
+    b.set_ylabel(f"prompts still identical to {res.get('baseline')}")
+    b.set_title(f"greedy continuations of {res['prompts'].get('count', 0)} prompts")
+    b.set_ylim(0, 1.05)
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

@@ -1,0 +1,71 @@
+"""The sampler's per-row work (sampler.py): top-k / top-p / min-p run only on the rows that ask for them, and
+top-k followed by top-p cuts inside the k largest logits instead of sorting the vocabulary. Both keep exactly
+the tokens Hugging Face's processors keep."""
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import TopKLogitsWarper, TopPLogitsWarper
+
+from engine_service.engine.sampler import SamplingBatch, apply_top_k_top_p, process_logits, sample
+
+
+def batch(rows: list[dict]) -> SamplingBatch:
+    def col(name, default, dtype=torch.float32):
+        return torch.tensor([r.get(name, default) for r in rows], dtype=dtype)
+
+    return SamplingBatch(temperature=col("temperature", 1.0), top_k=col("top_k", -1, torch.int64),
+                         top_p=col("top_p", 1.0), min_p=col("min_p", 0.0), repetition_penalty=col("rp", 1.0),
+                         seen_tokens=None, banned_tokens=[[] for _ in rows], generators=[None] * len(rows),
+                         num_logprobs=0)
+
+
+def hf(logits: torch.Tensor, row: dict) -> torch.Tensor:
+    scores = logits[None] / row.get("temperature", 1.0)
+    if row.get("top_k", -1) > 0:
+        scores = TopKLogitsWarper(row["top_k"])(None, scores)
+    if row.get("top_p", 1.0) < 1:
+        scores = TopPLogitsWarper(row["top_p"])(None, scores)
+    return scores[0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2 ** 16), vocab=st.integers(2, 400),
+       rows=st.lists(st.tuples(st.integers(-1, 450), st.sampled_from([1.0, 0.99, 0.9, 0.5, 0.1, 1e-4]),
+                               st.sampled_from([0.3, 1.0, 1.7])), min_size=1, max_size=5))
+def test_top_k_then_top_p_keep_the_tokens_hf_keeps(seed, vocab, rows):
+    logits = torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(seed)) * 3
+    cases = [dict(top_k=k, top_p=p, temperature=t) for k, p, t in rows]
+    ours = process_logits(logits.clone(), batch(cases))
+    for i, case in enumerate(cases):
+        theirs = hf(logits[i], case)
+        assert torch.equal(ours[i].isfinite(), theirs.isfinite()), case
+        torch.testing.assert_close(ours[i][theirs.isfinite()], theirs[theirs.isfinite()])
+
+
+def test_the_partial_cut_hands_ties_at_the_kth_logit_back():
+    logits = torch.tensor([[3.0, 2.0, 2.0, 2.0, 1.0, 0.0]])  # top-2 keeps the three 2.0s as well
+    assert apply_top_k_top_p(logits, torch.tensor([2]), torch.tensor([0.9])) is None
+    ours = process_logits(logits.clone(), batch([dict(top_k=2, top_p=0.9)]))
+    assert torch.equal(ours[0].isfinite(), hf(logits[0], dict(top_k=2, top_p=0.9)).isfinite())
+
+
+def test_a_row_without_top_p_keeps_its_zero_probability_tokens_beside_a_top_p_row():
+    # HF runs no top-p on a row with top_p=1; tokens whose probability underflows to 0 stay finite
+    logits = torch.tensor([[0.0, -3.0, 1.0], [0.0, 1.0, 2.0]])
+    cases = [dict(temperature=0.01), dict(top_p=0.5)]
+    ours = process_logits(logits.clone(), batch(cases))
+    assert ours[0].isfinite().all()
+    assert torch.equal(ours[1].isfinite(), hf(logits[1], cases[1]).isfinite())
+
+
+def test_greedy_rows_draw_no_noise():
+    # the sampled row sees the same global-generator noise with or without greedy rows beside it
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
+    mixed_rows = batch([dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.0)])
+    for seed in range(10):
+        torch.manual_seed(seed)
+        alone = sample(logits[1:2].clone(), batch([dict(temperature=1.0)])).token_ids
+        torch.manual_seed(seed)
+        mixed = sample(logits.clone(), mixed_rows).token_ids
+        assert mixed[1] == alone[0]
+        assert mixed[0] == logits[0].argmax() and mixed[2] == logits[2].argmax()

@@ -1,0 +1,105 @@
+"""Branch from any token and the entropy shading, in a real headless Chromium against a real replica."""
+from __future__ import annotations
+
+import re
+import tempfile
+from pathlib import Path
+
+from playwright.sync_api import expect
+
+from tests.web.test_browser import pytestmark, set_number, wait_columns_final  # noqa: F401 (pytestmark: skip)
+
+PROMPT = ("Readability counts. Special cases aren't special enough to break the rules. Although practicality beats "
+          "purity. Errors should never pass silently. The capital of France is")
+TOKENS_JS = """(sel) => [...document.querySelectorAll(sel)].map(s => {
+    const c = s.cloneNode(true); c.querySelectorAll('.tip').forEach(t => t.remove()); return c.textContent; })"""
+MAIN = "#out-greedy .dl-col > .txt .tk"
+
+
+def texts(page) -> list[str]:
+    return page.evaluate(TOKENS_JS, MAIN)
+
+
+def run_raw_prompt(page, url: str, max_tokens: int) -> None:
+    """The page at `url`, PROMPT without the chat template, `max_tokens`, Run."""
+    page.goto(url)
+    expect(page.locator("#dl-service")).to_contain_text("1 replica", timeout=10_000)
+    page.locator("#prompt textarea").fill(PROMPT)
+    page.locator("#chat input[type=checkbox]").uncheck()
+    set_number(page, "max-tokens", max_tokens)
+    page.locator("#run").click()
+
+
+def test_branch_from_a_token_streams_a_branch_and_switching_back_is_instant(tiny_stack, page):
+    web, _, _ = tiny_stack
+    run_raw_prompt(page, web.url, 10)
+    assert wait_columns_final(page, 60_000)["greedy"] == "done"
+    root = texts(page)
+    assert len(root) == 10
+
+    page.locator(f'{MAIN}[data-pos="3"]').click()  # the alternatives, with their probabilities
+    pop = page.locator("#dl-pop")
+    expect(pop).to_be_visible()
+    alts = pop.locator(".alt")
+    expect(alts).to_have_count(5)
+    expect(alts.nth(1).locator("span")).to_have_text(re.compile(r"\d+\.\d%"))
+    picked = alts.nth(1).locator("code").inner_text().replace("↵", "\n").replace("⇥", "\t")
+    alts.nth(1).click()
+
+    col = page.locator("#out-greedy .dl-col")
+    expect(col).to_have_attribute("data-branch", "1", timeout=5_000)
+    expect(page.locator("#out-greedy .dl-tree .tb")).to_have_count(2)
+    expect(col).to_have_attribute("data-status", "done", timeout=30_000)
+    branch = texts(page)
+    assert branch[:3] == root[:3] and branch[3] == (picked if picked != "∅" else "")
+    assert len(branch) > 4  # it generated after the fork
+    assert page.locator("#out-greedy .tk.fork").count() == 1
+    title = page.locator('#out-greedy .dl-tree .tb[data-branch="1"]').get_attribute("title")
+    assert int(re.search(r"(\d+) prompt tokens from the prefix cache", title).group(1)) > 0  # the parent's blocks
+    expect(page.locator("#kv")).to_contain_text("greedy")
+    page.locator(f'{MAIN}[data-pos="5"]').click()  # the popup over a branch, for the picture
+    page.locator("#out-greedy").screenshot(path=str(Path(tempfile.gettempdir()) / "decodelab-branching.png"))
+    page.keyboard.press("Escape")
+    expect(page.locator("#dl-pop")).to_have_count(0)
+
+    page.locator('#out-greedy .dl-tree .tb[data-branch="0"]').click()
+    expect(col).to_have_attribute("data-branch", "0", timeout=2_000)
+    assert texts(page) == root
+    assert page.errors == []
+
+
+def test_the_entropy_toggle_switches_the_shading(tiny_stack, page):
+    web, _, _ = tiny_stack
+    run_raw_prompt(page, web.url, 6)
+    wait_columns_final(page, 60_000)
+    token = page.locator(f'{MAIN}[data-pos="2"]')
+    assert re.search(r"--h:\d\.\d\d", token.get_attribute("style"))  # the replica sent its entropy
+    background = lambda: token.evaluate("t => getComputedStyle(t).backgroundColor")  # noqa: E731
+    before = background()
+    page.locator("#shade").get_by_text("entropy", exact=True).click()
+    expect(page.locator("html")).to_have_attribute("data-shade", "entropy")
+    assert background() != before
+    page.locator("#shade").get_by_text("probability", exact=True).click()
+    expect(page.locator("html")).to_have_attribute("data-shade", "probability")
+    assert background() == before
+    assert page.errors == []
+
+
+def test_branching_while_the_run_streams_breaks_neither(tiny_stack, page):
+    web, _, _ = tiny_stack
+    run_raw_prompt(page, web.url, 150)
+    first = page.locator(f'{MAIN}[data-pos="1"]')
+    expect(first).to_be_visible(timeout=30_000)
+    first.click()
+    page.locator("#dl-pop .typed input").fill(" typed")  # typed text instead of an alternative
+    page.locator("#dl-pop .typed button").click()
+    col = page.locator("#out-greedy .dl-col")
+    expect(col).to_have_attribute("data-branch", "1", timeout=5_000)
+    expect(page.locator("#out-greedy .tk.fork")).to_have_text(re.compile("^ typed"))
+    status = wait_columns_final(page, 120_000)
+    assert set(status.values()) == {"done"}, status  # the root runs of all four columns ended normally
+    expect(col).to_have_attribute("data-status", "done", timeout=60_000)
+    page.locator('#out-greedy .dl-tree .tb[data-branch="0"]').click()
+    expect(col).to_have_attribute("data-branch", "0", timeout=2_000)
+    assert len(texts(page)) == 150
+    assert page.errors == []
