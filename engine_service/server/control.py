@@ -19,6 +19,12 @@ class ReplicaInfo(BaseModel):
     model: str
     running: int
     capacity: int
+    precision: str = ""  # what the playground shows beside the model: "int8 weights", "float32", "..., int8 KV"
+
+
+def precision(config) -> str:
+    weights = "int8 weights" if config.quantization == "int8" else config.dtype
+    return weights + (", int8 KV" if config.kv_cache_dtype == "int8" else "")
 
 
 class Control:
@@ -92,7 +98,8 @@ class Control:
                 log.warning("request %s was claimed by another replica; dropping it here", rid)
                 s.commands.put(Drop(job))
         pipe = s.redis.pipeline(transaction=False)
-        info = ReplicaInfo(model=s.cfg.model_name, running=len(jobs), capacity=s.capacity())
+        info = ReplicaInfo(model=s.cfg.model_name, running=len(jobs), capacity=s.capacity(),
+                           precision=precision(s.engine.config))
         pipe.set(keys.replica(s.cfg.name), encode(info), px=int(s.cfg.heartbeat_s * 3000))
         pipe.xlen(keys.stream)
         pipe.xpending(keys.stream, keys.group)

@@ -36,6 +36,20 @@ def engine_argv(args) -> list[str]:
     return flags.engine_argv(args)
 
 
+def on_cpu(device: str) -> bool:
+    import torch
+
+    return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+
+
+def apply_play_defaults(args) -> None:
+    """On a CPU, play runs int8 weights unless told otherwise (`--quantization none`: the float weights): the
+    fastest configuration whose quality passed, chosen by `decodelab bench playground` and `bench quality`
+    (docs/benchmarks.md). On a GPU the float weights stay the default (int8 there is weight-only, for memory)."""
+    if args.quantization is None and on_cpu(args.device):
+        args.quantization = "int8"
+
+
 class Stack:
     """Child processes, each in its own process group, stopped together (TERM, then KILL)."""
 
@@ -86,6 +100,7 @@ def run_play(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda *_: stop.set())
     stack = Stack()
+    apply_play_defaults(args)
     try:
         redis_url = args.redis_url
         if not redis_url:
@@ -93,6 +108,9 @@ def run_play(args: argparse.Namespace) -> int:
             redis_url = stack.redis.url
             print(f"redis: private redis-server on 127.0.0.1:{stack.redis.port} (no persistence)", flush=True)
         env = dict(os.environ, REDIS_URL=redis_url)  # the password travels in the environment, not argv
+        # the engine shares two cores with the web UI and a browser: OpenMP threads that sleep instead of spinning
+        # while they wait (bench playground, browser path: 6.75 s for the 64-token run instead of 7.78 s)
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         engine_url = f"http://{args.host}:{args.engine_port}"
         stack.spawn("engine", [sys.executable, "-m", "engine_service.cli", "engine", *engine_argv(args),
                                "--host", args.host, "--port", str(args.engine_port)], env)

@@ -37,6 +37,7 @@ def test_play_starts_everything_and_ctrl_c_stops_it_all(tiny_llama_dir, tmp_path
         children = psutil.Process(play.pid).children(recursive=True)
         names = " ".join(" ".join(c.cmdline()) for c in children)
         assert " engine " in names and " web " in names
+        assert "--quantization int8" in names  # play's default on a CPU (play.apply_play_defaults)
         listening = {conn.laddr.port for c in children for conn in c.net_connections("tcp") if conn.status == "LISTEN"}
         assert redis_port in listening  # the private Redis-protocol server (its binary's name may vary)
         play.send_signal(signal.SIGINT)
