@@ -14,7 +14,7 @@ from pathlib import Path  # noqa: E402
 import gradio as gr  # noqa: E402
 
 from web import handlers  # noqa: E402
-from web.modes import MAX_TOKENS_LIMIT, MODES, Settings  # noqa: E402
+from web.modes import CONSTRAINTS, MAX_TOKENS_LIMIT, MODES, Settings  # noqa: E402
 from web.session import Service  # noqa: E402
 
 CSS_PATH = Path(__file__).with_name("style.css")
@@ -33,15 +33,21 @@ HEADERS = {
     "speculative": ("Speculative", "A cheap proposer drafts k tokens, the model checks them in one pass. "
                                    "Same text as greedy, fewer steps."),
 }
-EXAMPLES = [  # (chip label, prompt, chat template?, system prompt)
-    ("Why is the sky blue?", "Explain in three sentences why the sky is blue.", True, ""),
+PERSON_SCHEMA = ('{"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},\n'
+                 ' "required": ["name", "age"]}')
+EXAMPLES = [  # (chip label, prompt, chat template?, system prompt, constraint type, constraint)
+    ("Why is the sky blue?", "Explain in three sentences why the sky is blue.", True, "", "none", ""),
     ("The planets, one per line", "List the planets of the solar system, one per line, with one fact about each.",
-     True, ""),
+     True, "", "none", ""),
     ("A haiku (with a system prompt)", "Write a haiku about a robot learning to paint.", True,
-     "You are a poet who writes short, vivid verse."),
-    ("Plain completion: primary colours", "The three primary colours are", False, ""),
-    ("Code completion: fibonacci", 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n', False, ""),
+     "You are a poet who writes short, vivid verse.", "none", ""),
+    ("Plain completion: primary colours", "The three primary colours are", False, "", "none", ""),
+    ("Code completion: fibonacci", 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n', False, "",
+     "none", ""),
+    ("JSON schema: a person", "Invent a person: give their name and age as JSON.", True, "", "JSON schema",
+     PERSON_SCHEMA),
 ]
+CONSTRAINT_INFO = "every column's output must match it (the engine masks the tokens that would break it)"
 
 
 def theme() -> gr.themes.Base:
@@ -54,6 +60,12 @@ def theme() -> gr.themes.Base:
 def _mode_header(mode: str) -> None:
     title, text = HEADERS[mode]
     gr.HTML(f"<h3>{title}</h3><p>{text}</p>", elem_classes=["mode-head"])
+
+
+def _example(i: int) -> tuple:
+    """An example fills the prompt's controls and the constraint; one with a constraint opens its accordion."""
+    example = EXAMPLES[i]
+    return *example[1:], (gr.Accordion(open=True) if example[4] != "none" else gr.skip())
 
 
 def build_app(service: Service) -> gr.Blocks:
@@ -83,6 +95,13 @@ def build_app(service: Service) -> gr.Blocks:
                 with gr.Row():
                     run_btn = gr.Button("Run", variant="primary", elem_id="run")
                     stop_btn = gr.Button("Stop", variant="stop", elem_id="stop")
+        with (gr.Accordion("Constraint (structured output, all four columns)", open=False,
+                           elem_id="constraint") as constraint_box,
+              gr.Row(equal_height=True)):
+            constraint_type = gr.Radio(list(CONSTRAINTS), value=DEFAULTS.constraint_type, label="Constrain to",
+                                       info=CONSTRAINT_INFO, elem_id="constraint-type", scale=1)
+            constraint = gr.Textbox("", label="JSON schema, regex, or the choices one per line", lines=3,
+                                    max_lines=12, elem_id="constraint-text", scale=2)
         examples = gr.Dataset(components=["textbox"], samples=[[e[0]] for e in EXAMPLES], type="index",
                               label="Examples", layout="gallery", elem_id="examples")
         message = gr.HTML(elem_id="dl-message")
@@ -134,14 +153,15 @@ def build_app(service: Service) -> gr.Blocks:
         switch_btn = gr.Button(visible="hidden", elem_id="branch-switch")
 
         inputs = [prompt, chat, system, max_tokens, model, share, beam_width, length_penalty, beams_shown,
-                  temperature, top_k, top_p, min_p, seed, n, proposer, spec_k]
+                  temperature, top_k, top_p, min_p, seed, n, proposer, spec_k, constraint_type, constraint]
         # always_last: a Run clicked while the last run still draws its summary (after every column is final)
         # runs next; Gradio's default ("once") would drop that click silently
         run_event = run_btn.click(h.run, inputs, [message, *outs, kv, chart, run_json], api_name="run",
                                   concurrency_limit=None, show_progress="hidden", trigger_mode="always_last")
         prompt.submit(h.run, inputs, [message, *outs, kv, chart, run_json], api_name=False,
                       concurrency_limit=None, show_progress="hidden", trigger_mode="always_last")
-        examples.click(lambda i: EXAMPLES[i][1:], examples, [prompt, chat, system], api_name=False, queue=False)
+        examples.click(_example, examples, [prompt, chat, system, constraint_type, constraint, constraint_box],
+                       api_name=False, queue=False)
         stop_btn.click(h.stop, None, None, api_name="stop", concurrency_limit=None, queue=False)
         del run_event
         read_cmd = "(x) => [window.dlBranchCmd || x || '']"

@@ -1,18 +1,25 @@
-"""The four playground columns: what each sends to the engine, and the inline checks on the controls."""
+"""The four playground columns: what each sends to the engine, and the inline checks on the controls.
+
+The constraint control (none / JSON schema / regex / choice) becomes one `structured_outputs` that all four
+requests carry; the web only checks its shape (JSON parses, not empty), the engine compiles it (xgrammar) and
+answers an error event per request when it cannot.
+"""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from shared.protocol import ChatMessage, GenerationRequest, SamplingOptions
+from shared.protocol import ChatMessage, GenerationRequest, SamplingOptions, StructuredOutputs
 
 MODES = ("greedy", "beam", "sample", "speculative")
 TITLES = {"greedy": "Greedy", "beam": "Beam search", "sample": "Sampling", "speculative": "Speculative"}
 LOGPROBS = 5  # top alternatives shown on hover
 MAX_PROMPT_CHARS = 8000
 MAX_TOKENS_LIMIT = 1024
+CONSTRAINTS = ("none", "JSON schema", "regex", "choice")
 
 
 @dataclass
@@ -35,6 +42,8 @@ class Settings:
     n: int = 1
     proposer: str = "ngram"
     spec_k: int = 4
+    constraint_type: str = "none"  # one of CONSTRAINTS
+    constraint: str = ""  # the schema as JSON, the regex, or the choices one per line
 
 
 class InputError(ValueError):
@@ -69,8 +78,32 @@ def check_prompt(s: Settings) -> str | None:
     return None
 
 
+def structured_outputs(s: Settings) -> StructuredOutputs | None:
+    """The constraint all four columns carry, or None; InputError when its text cannot be one."""
+    kind, text = s.constraint_type or "none", s.constraint or ""
+    if kind == "none":
+        return None
+    if not text.strip():
+        raise InputError(f"constraint ({kind}): the box is empty")
+    if kind == "JSON schema":
+        try:
+            schema = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise InputError(f"constraint: the JSON schema is not valid JSON ({e.msg}, line {e.lineno})") from None
+        if not isinstance(schema, dict):
+            raise InputError("constraint: a JSON schema is an object ({...})")
+        return StructuredOutputs(json=schema)
+    if kind == "regex":
+        return StructuredOutputs(regex=text)  # as typed: spaces are part of a pattern
+    if kind == "choice":
+        return StructuredOutputs(choice=[line.strip() for line in text.splitlines() if line.strip()])
+    raise InputError(f"constraint: unknown type {kind!r}")
+
+
 def _options(mode: str, s: Settings) -> dict:
     common = dict(max_tokens=_int("max tokens", s.max_tokens), logprobs=LOGPROBS, mode=mode)
+    if (constraint := structured_outputs(s)) is not None:  # none: the request stays as it was without the control
+        common["structured_outputs"] = constraint
     if mode == "greedy":
         return dict(common, temperature=0.0)
     if mode == "beam":
