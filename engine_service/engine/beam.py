@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from engine_service.engine.outputs import CompletionOutput
+from engine_service.engine.sampler import entropy
 from engine_service.engine.sequence import Request, Sequence
 
 
@@ -23,6 +24,7 @@ class Hypothesis:
     score: float  # summed processed log-probs / len(token_ids) ** length_penalty (HF's sequences_scores)
     logprobs: list[dict[int, float]] | None
     finish_reason: str
+    entropies: list[float] | None = None  # with logprobs: nats of the raw distribution each token came from
 
 
 class BeamSearch:
@@ -50,6 +52,8 @@ class BeamSearch:
         processed = torch.stack([self.pending[s.seq_id][0] for s in beams])
         raw = torch.stack([self.pending[s.seq_id][1] for s in beams])
         self.pending.clear()
+        # with logprobs, each beam's row entropy (what its children's tokens were drawn from): one pass, W rows
+        nats = entropy(raw).tolist() if self.num_logprobs is not None else [None] * len(beams)
         vocab = processed.shape[1]
         total = (processed + self.scores[:, None]).view(-1)
         top, flat = total.topk(min(self.num_candidates, total.numel()))
@@ -63,7 +67,8 @@ class BeamSearch:
         penalised = top / gen_len ** self.length_penalty
         for i in range(min(self.width, len(tokens))):  # only the top W candidates may finish (HF)
             if stops[i]:
-                self._add_finished(beams[parents[i]], tokens[i], raw[parents[i]], float(penalised[i]))
+                self._add_finished(beams[parents[i]], tokens[i], raw[parents[i]], float(penalised[i]),
+                                   nats[parents[i]])
         keep = [i for i in range(len(tokens)) if not stops[i]][:self.width]
         children: dict[int, list[int]] = {}
         for i in keep:
@@ -73,9 +78,9 @@ class BeamSearch:
             kids = children.get(b, [])
             for i in kids[1:]:  # fork before the parent moves on: the children share its blocks
                 new[i] = fork(seq)
-                self._extend(new[i], tokens[i], raw[b])
+                self._extend(new[i], tokens[i], raw[b], nats[b])
             if kids:
-                self._extend(seq, tokens[kids[0]], raw[b])
+                self._extend(seq, tokens[kids[0]], raw[b], nats[b])
                 new[kids[0]] = seq
             else:
                 drop(seq)
@@ -98,11 +103,12 @@ class BeamSearch:
         best = self.scores[0] / length ** self.length_penalty
         return not bool(best > self.finished[-1].score)
 
-    def _extend(self, seq: Sequence, token: int, raw: torch.Tensor) -> None:
+    def _extend(self, seq: Sequence, token: int, raw: torch.Tensor, nats: float | None) -> None:
         seq.token_ids.append(token)
         seq.cumulative_logprob += float(raw[token])
         if self.num_logprobs is not None:
             seq.logprobs.append(self._logprob_entry(raw, token))
+            seq.entropies.append(nats)
 
     def _logprob_entry(self, raw: torch.Tensor, token: int) -> dict[int, float]:
         entry = {}
@@ -112,12 +118,14 @@ class BeamSearch:
         entry[token] = float(raw[token])
         return entry
 
-    def _add_finished(self, parent: Sequence, token: int, raw: torch.Tensor, score: float) -> None:
-        logprobs = None
+    def _add_finished(self, parent: Sequence, token: int, raw: torch.Tensor, score: float,
+                      nats: float | None) -> None:
+        logprobs = entropies = None
         if self.num_logprobs is not None:
             logprobs = parent.logprobs + [self._logprob_entry(raw, token)]
+            entropies = parent.entropies + [nats]
         hyp = Hypothesis(parent.output_token_ids + [token], parent.cumulative_logprob + float(raw[token]), score,
-                         logprobs, "stop" if token in self.stop_ids else "length")
+                         logprobs, "stop" if token in self.stop_ids else "length", entropies)
         self.finished.append(hyp)
         self.finished.sort(key=lambda h: -h.score)  # stable: on a tie the earlier hypothesis stays ahead
         del self.finished[self.width:]
@@ -127,11 +135,14 @@ class BeamSearch:
         n = req.params.n
         if self.done:
             return [CompletionOutput(i, decode(h.token_ids), list(h.token_ids), h.cumulative_logprob, h.logprobs,
-                                     h.finish_reason, h.score) for i, h in enumerate(self.finished[:n])]
+                                     h.finish_reason, h.score, entropies=h.entropies)
+                    for i, h in enumerate(self.finished[:n])]
         outs = []
         for i, seq in enumerate(req.seqs[:n]):
             ids = seq.output_token_ids
             score = float(self.scores[i]) / max(1, len(ids)) ** self.length_penalty
             logprobs = list(seq.logprobs) if self.num_logprobs is not None else None
-            outs.append(CompletionOutput(i, decode(ids), ids, seq.cumulative_logprob, logprobs, None, score))
+            entropies = list(seq.entropies) if self.num_logprobs is not None else None
+            outs.append(CompletionOutput(i, decode(ids), ids, seq.cumulative_logprob, logprobs, None, score,
+                                         entropies=entropies))
         return outs

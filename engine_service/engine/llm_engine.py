@@ -222,6 +222,7 @@ class LLMEngine:
         # the parse state forks with the blocks: a deep copy at the parent's state, before either moves on
         child.grammar = parent.grammar.fork() if parent.grammar is not None else None
         child.cumulative_logprob, child.logprobs = parent.cumulative_logprob, list(parent.logprobs)
+        child.entropies = list(parent.entropies)
         self.block_manager.fork(parent, child)
         self.scheduler.add_running(child, after=parent)
         return child

@@ -20,8 +20,8 @@ class CompletionOutput:
     # "resampled" (drawn by the target after a rejection), "bonus" (drawn after all k were accepted),
     # "target" (decoded without a proposal: the first token, or no n-gram match)
     spec_marks: list[str] | None = None
-    # with logprobs: the entropy (nats) of the raw distribution each token was drawn from; None where the
-    # mode does not report it (beam search)
+    # with logprobs: the entropy (nats) of the raw distribution each token was drawn from (for a beam's token:
+    # of its parent beam's next-token distribution)
     entropies: list[float] | None = None
 
 

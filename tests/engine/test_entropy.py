@@ -49,6 +49,21 @@ def test_engine_outputs_carry_one_entropy_per_token_with_logprobs(tiny_llama_dir
     assert [round(e, 3) for e in spec.entropies] == [round(e, 3) for e in with_lp.entropies]
 
 
+def test_beams_carry_the_entropy_of_their_parent_beams_distribution(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=64)
+    prompt = "The capital of France is"
+    greedy = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, logprobs=2))[0].outputs[0]
+    beams = llm.generate([prompt], SamplingParams(mode="beam", beam_width=3, n=3, max_tokens=6, logprobs=2,
+                                                  ignore_eos=True))[0].outputs
+    assert len(beams) == 3
+    for b in beams:
+        assert len(b.entropies) == len(b.token_ids) == len(b.logprobs)
+        # every beam's first token came from the prompt's distribution, which greedy's first token did too
+        assert math.isclose(b.entropies[0], greedy.entropies[0], rel_tol=1e-4)
+    no_lp = llm.generate([prompt], SamplingParams(mode="beam", beam_width=2, max_tokens=4))[0].outputs[0]
+    assert no_lp.entropies is None
+
+
 class _Tok:
     def decode(self, ids):
         return "".join(chr(97 + i % 26) for i in ids)
