@@ -2,6 +2,15 @@ import os
 from dataclasses import dataclass
 
 
+def resolve_device(device: str) -> str:
+    """"auto" -> "cuda" where a GPU is visible, else "cpu"; any other name as given."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 @dataclass
 class EngineConfig:
     model: str = "smollm2-135m"
@@ -28,10 +37,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # "auto": the model dtype; "int8": int8 K/V, per-(block, head) scales (kv_int8.py)
 
     def __post_init__(self) -> None:
-        if self.device == "auto":
-            import torch
-
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = resolve_device(self.device)
         if self.dtype is None:
             self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
         if self.attention_backend is None:

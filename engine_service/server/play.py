@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 
 from engine_service.engine import flags
+from engine_service.engine.config import resolve_device
 from engine_service.server.redis_server import RedisServer, die_with_parent
 
 WEB_APP = Path(__file__).resolve().parents[2] / "web" / "app.py"
@@ -36,17 +37,11 @@ def engine_argv(args) -> list[str]:
     return flags.engine_argv(args)
 
 
-def on_cpu(device: str) -> bool:
-    import torch
-
-    return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
-
-
 def apply_play_defaults(args) -> None:
     """On a CPU, play runs int8 weights unless told otherwise (`--quantization none`: the float weights): the
     fastest configuration whose quality passed, chosen by `decodelab bench playground` and `bench quality`
     (docs/benchmarks.md). On a GPU the float weights stay the default (int8 there is weight-only, for memory)."""
-    if args.quantization is None and on_cpu(args.device):
+    if args.quantization is None and resolve_device(args.device) == "cpu":
         args.quantization = "int8"
 
 

@@ -103,7 +103,7 @@ class Linear(nn.Linear):
     `quantize_int8()` was (int8_linear.py)."""
 
     packed: torch.Tensor | None = None
-    int8: Int8Weight | None = None
+    int8: Int8Weight | HeadWeight | None = None
 
     def pack(self) -> None:
         self.packed = pack_weight(self.weight)
