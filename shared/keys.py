@@ -54,3 +54,6 @@ class Keys:
 
     def kv(self, name: str) -> str:  # replica's KV-cache snapshot (shared.monitor.KVSnapshot), with a TTL
         return f"{self.prefix}:kv:{name}"
+
+    def steps(self, name: str) -> str:  # stream: replica's engine steps (shared.monitor.StepRecord), capped, with a TTL
+        return f"{self.prefix}:steps:{name}"

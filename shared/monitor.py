@@ -1,7 +1,10 @@
-"""Read-only views of the service in Redis for dashboards (the playground): replicas, queue position, KV snapshots.
+"""Read-only views of the service in Redis for dashboards (the playground): replicas, queue position, KV snapshots,
+engine steps.
 
 Replicas publish a `KVSnapshot` under `Keys.kv(name)` a few times per second while busy (with a TTL);
-the web reads it to draw the block map. Nothing here changes the service's state.
+the web reads it to draw the block map. Each replica also appends one `StepRecord` per engine step to the stream
+`Keys.steps(name)` (capped near STEPS_MAXLEN entries, with a TTL); the web reads the records of its own requests to
+draw the roofline. Nothing here changes the service's state.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from shared.keys import Keys
 
 KV_SNAPSHOT_VERSION = 1
 KV_MAP_LIMIT = 1024  # most block ids a snapshot's map covers (the lowest ids: the allocator hands those out first)
+STEPS_MAXLEN = 2000  # step records a replica's stream keeps (XADD MAXLEN ~: Redis trims in whole nodes, so a few more)
 
 
 class _Model(BaseModel):
@@ -45,6 +49,21 @@ class KVSnapshot(_Model):
     seqs: list[KVSeq] = Field(default_factory=list)
 
 
+class StepRecord(_Model):
+    """One engine step (engine_service/engine/roofline.py): its tokens, its time, and the FLOPs and bytes the cost
+    model gives it."""
+
+    step: int  # the replica engine's step number (from 1)
+    start: float  # unix time the step began
+    seconds: float
+    prefill_tokens: int  # prompt tokens (and tokens recomputed after a preemption)
+    decode_tokens: int  # one per decoding sequence, plus the speculative draft tokens verified
+    num_seqs: int
+    request_ids: list[str] = Field(default_factory=list)
+    flops: int
+    bytes: int
+
+
 def _s(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
@@ -59,7 +78,7 @@ async def _scan(r: aioredis.Redis, pattern: str, limit: int = 256) -> list[str]:
 
 
 async def replicas(r: aioredis.Redis, keys: Keys) -> dict[str, dict]:
-    """Live replicas (their heartbeat keys): name -> {"model", "running", "capacity"}."""
+    """Live replicas (their heartbeat keys): name -> {"model", "running", "capacity", "precision", "draft_model"}."""
     names = await _scan(r, keys.replica("*"))
     if not names:
         return {}
@@ -103,3 +122,26 @@ async def queue_position(r: aioredis.Redis, keys: Keys, entry_id: str, limit: in
         return None
     ahead = await r.xrange(keys.stream, min=f"({last}", max=entry_id, count=limit)
     return max(1, len(ahead))
+
+
+def stream_id_at(unix_time: float) -> str:
+    """The first stream id Redis could give an entry added at `unix_time` (ids start with the milliseconds)."""
+    return f"{max(0, int(unix_time * 1000))}-0"
+
+
+async def steps(r: aioredis.Redis, keys: Keys, replica: str, since_id: str = "0-0",
+                count: int = 500) -> tuple[list[StepRecord], str]:
+    """The replica's step records after `since_id` (exclusive), oldest first, at most `count`; and the id to read on
+    from next time (`since_id` when there was nothing new). Malformed entries are skipped."""
+    entries = await r.xrange(keys.steps(replica), min=f"({since_id}", max="+", count=count)
+    out = []
+    for entry_id, fields in entries:
+        since_id = _s(entry_id)
+        raw = fields.get("r", fields.get(b"r"))
+        if raw is None:
+            continue
+        try:
+            out.append(StepRecord.model_validate_json(raw))
+        except ValidationError:
+            continue
+    return out, since_id

@@ -138,8 +138,48 @@ class TokenLogprob(_Model):
     logprob: float | None  # None where the engine gave -inf
     top: list[tuple[int, str, float | None]] = Field(default_factory=list)
     # nats, of the raw (unprocessed) next-token distribution this token was drawn from; None where the engine
-    # does not report it (prompt scores, beam search, older replicas)
+    # does not report it (prompt scores, older replicas)
     entropy: float | None = None
+    # structured outputs: the probability (of the raw distribution) on the tokens the grammar forbade at this
+    # position; None without a grammar
+    masked: float | None = None
+
+
+class DraftCheck(_Model):
+    """Speculative decoding: how the target judged one drafted token; rides with the token it produced (the
+    accepted draft token, or the target's own token in place of a rejected one). The engine verifies with a
+    Gumbel-max coupling (engine/spec_decode.py): `accepted` is what it did; `accept_prob` and `residual_top` are
+    what standard rejection sampling (Leviathan et al. 2023) would do with the same p and q."""
+
+    position: int = Field(ge=0)  # in its draft: 0 is the first token proposed after the last verified one
+    draft_token_id: int
+    draft_token: str
+    p_draft: float | None  # q(x), the proposer's probability; None for a proposer without one (n-gram: q = 1)
+    p_target: float  # p(x), the target's probability after the request's processors
+    accept_prob: float  # min(1, p(x) / q(x)); a greedy target keeps x iff it is the argmax (1 or 0)
+    accepted: bool
+    # a rejection: the token the target drew instead (its coupled draw from p, or its argmax when greedy), and the
+    # head of the residual distribution max(0, p - q) renormalised, best first (token id, text, probability)
+    residual_token_id: int | None = None
+    residual_token: str | None = None
+    residual_top: list[tuple[int, str, float]] = Field(default_factory=list)
+
+
+class BeamEvent(_Model):
+    """Beam search, one change of the beam tree (TokenEvent.beam). Nodes are the hypotheses of each search step:
+    `node` is new on a fork and a finish, ids are unique per request and attempt, the root (the prompt) is 0."""
+
+    kind: Literal["fork", "prune", "finish"]  # fork: a live beam grew by `token_id` from `parent`; prune: `node`
+    # fell out of the search (no child survived, or a finished hypothesis lost its place); finish: `node` ended
+    step: int = Field(ge=0)  # search step; a fork or finish at step s adds the (s+1)-th generated token
+    node: int = Field(ge=0)
+    parent: int | None = None
+    token_id: int | None = None
+    token: str | None = None
+    logprob: float | None = None  # of the token under the parent's raw distribution
+    score: float | None = None  # fork: summed processed log-probs; finish: the length-penalised final score
+    rank: int | None = None  # fork: place among the live beams (0 best); finish: among the finished
+    blocks: list[int] | None = None  # fork: the beam's KV block table after the step (shared blocks appear twice)
 
 
 class PromptScores(_Model):
@@ -165,8 +205,12 @@ class TokenEvent(_Event):
     reset: bool = False  # the output was rewritten (beam search): text_delta/token_ids are the whole output
     logprobs: list[TokenLogprob] | None = None
     spec: list[SpecMark] | None = None  # speculative decoding: one mark per token in token_ids
+    # speculative decoding: per token in token_ids, the draft check that produced it (None: bonus / target token)
+    drafts: list[DraftCheck | None] | None = None
     # params.prompt_logprobs: on the first event that has them (and the DoneEvent), see PromptScores
     prompt: PromptScores | None = None
+    # beam search: the tree's changes since the last event (index 0 carries them; the ids are in `beam.node`)
+    beam: list[BeamEvent] | None = None
 
 
 class Completion(_Model):
@@ -178,6 +222,7 @@ class Completion(_Model):
     logprobs: list[TokenLogprob] | None = None
     score: float | None = None  # beam search: the length-penalised beam score
     spec: list[SpecMark] | None = None  # speculative decoding marks, one per token
+    drafts: list[DraftCheck | None] | None = None  # speculative decoding: per token, as in TokenEvent.drafts
 
 
 class Metrics(_Model):
@@ -189,7 +234,8 @@ class Metrics(_Model):
     tpot_s: float | None = None  # mean time per output token after the first
     e2e_s: float | None = None  # created -> done
     cached_prompt_tokens: int = 0  # prompt tokens the prefix cache held (computed again: 0)
-    spec: dict[str, float | int | str | None] | None = None  # speculative counters: proposed, accepted, steps, ...
+    # speculative counters: proposed, accepted, steps, ... and per draft position proposed/accepted lists
+    spec: dict[str, float | int | str | list[int] | None] | None = None
 
 
 class DoneEvent(_Event):

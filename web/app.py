@@ -15,6 +15,7 @@ import gradio as gr  # noqa: E402
 
 from web import handlers  # noqa: E402
 from web.modes import CONSTRAINTS, MAX_TOKENS_LIMIT, MODES, Settings  # noqa: E402
+from web.roofline import roofline_html  # noqa: E402
 from web.session import Service  # noqa: E402
 
 CSS_PATH = Path(__file__).with_name("style.css")
@@ -90,8 +91,10 @@ def build_app(service: Service) -> gr.Blocks:
                                     info="served by the replicas connected to Redis")
                 max_tokens = gr.Slider(1, MAX_TOKENS_LIMIT, value=DEFAULTS.max_tokens, step=1, label="Max tokens",
                                        elem_id="max-tokens")
-                shade = gr.Radio(["probability", "entropy"], value="probability", label="Shade tokens by",
-                                 elem_id="shade", info="1 - p of the token, or the entropy of its distribution")
+                shade = gr.Radio(["probability", "entropy", "grammar mask"], value="probability",
+                                 label="Shade tokens by", elem_id="shade",
+                                 info="1 - p of the token, the entropy of its distribution, or the probability "
+                                      "a constraint's grammar removed there")
                 with gr.Row():
                     run_btn = gr.Button("Run", variant="primary", elem_id="run")
                     stop_btn = gr.Button("Stop", variant="stop", elem_id="stop")
@@ -136,6 +139,9 @@ def build_app(service: Service) -> gr.Blocks:
                                     info="n-gram: copy from the context; draft: a small model", elem_id="proposer")
                 spec_k = gr.Slider(1, 8, value=DEFAULTS.spec_k, step=1, label="k (tokens drafted per step)",
                                    elem_id="spec-k")
+                # enabled on load when a replica has a draft model (handlers.compare_control)
+                compare = gr.Checkbox(DEFAULTS.compare_proposers, label="Compare proposers", interactive=False,
+                                      elem_id="compare-proposers", info="needs a replica with a draft model")
         with gr.Row(equal_height=False):
             outs = [gr.HTML(h.idle_column(m), elem_id=f"out-{m}", min_width=220) for m in MODES]
         with gr.Row(equal_height=False):
@@ -145,6 +151,9 @@ def build_app(service: Service) -> gr.Blocks:
             with gr.Column(scale=2, min_width=320):
                 gr.HTML('<div class="sect">Summary of the last run</div>')
                 chart = gr.Plot(show_label=False, elem_id="chart")
+                gr.HTML('<div class="sect">Engine steps (prefill vs decode) <small>on this machine\'s roofline'
+                        '</small></div>')
+                steps = gr.HTML(roofline_html({}, {}), elem_id="steps")
         with gr.Accordion("Run data (JSON, also what the API returns)", open=False):
             run_json = gr.JSON(elem_id="run-json")
         # branches: the page script puts its command in window.dlBranchCmd and clicks one of these hidden buttons
@@ -153,27 +162,27 @@ def build_app(service: Service) -> gr.Blocks:
         switch_btn = gr.Button(visible="hidden", elem_id="branch-switch")
 
         inputs = [prompt, chat, system, max_tokens, model, share, beam_width, length_penalty, beams_shown,
-                  temperature, top_k, top_p, min_p, seed, n, proposer, spec_k, constraint_type, constraint]
+                  temperature, top_k, top_p, min_p, seed, n, proposer, spec_k, constraint_type, constraint, compare]
         # always_last: a Run clicked while the last run still draws its summary (after every column is final)
         # runs next; Gradio's default ("once") would drop that click silently
-        run_event = run_btn.click(h.run, inputs, [message, *outs, kv, chart, run_json], api_name="run",
+        run_event = run_btn.click(h.run, inputs, [message, *outs, kv, steps, chart, run_json], api_name="run",
                                   concurrency_limit=None, show_progress="hidden", trigger_mode="always_last")
-        prompt.submit(h.run, inputs, [message, *outs, kv, chart, run_json], api_name=False,
+        prompt.submit(h.run, inputs, [message, *outs, kv, steps, chart, run_json], api_name=False,
                       concurrency_limit=None, show_progress="hidden", trigger_mode="always_last")
         examples.click(_example, examples, [prompt, chat, system, constraint_type, constraint, constraint_box],
                        api_name=False, queue=False)
         stop_btn.click(h.stop, None, None, api_name="stop", concurrency_limit=None, queue=False)
         del run_event
         read_cmd = "(x) => [window.dlBranchCmd || x || '']"
-        fork_btn.click(h.fork, branch_cmd, [message, *outs, kv], js=read_cmd, api_name="fork", trigger_mode="multiple",
-                       concurrency_limit=None, show_progress="hidden")
+        fork_btn.click(h.fork, branch_cmd, [message, *outs, kv, steps], js=read_cmd, api_name="fork",
+                       trigger_mode="multiple", concurrency_limit=None, show_progress="hidden")
         switch_btn.click(h.switch, branch_cmd, outs, js=read_cmd, api_name=False, trigger_mode="multiple",
                          queue=False, show_progress="hidden")
         shade.change(None, shade, None, js=SHADE_JS, api_name=False, queue=False)
         timer = gr.Timer(1.0)
         timer.tick(h.tick, None, [service_html, kv], api_name=False, concurrency_limit=None,
                    show_progress="hidden", queue=False)
-        demo.load(h.load, None, [service_html, kv, model], api_name=False, queue=False)
+        demo.load(h.load, None, [service_html, kv, model, compare], api_name=False, queue=False)
         demo.unload(h.unload)
     return demo
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from shared.protocol import Completion, DoneEvent, ErrorEvent, GenerationRequest, TokenEvent, TokenLogprob
+from shared.protocol import Completion, DoneEvent, DraftCheck, ErrorEvent, GenerationRequest, TokenEvent, TokenLogprob
+from web.beam_tree import BeamTree
 
 FINAL = ("done", "error", "cancelled", "invalid", "off")
 
@@ -17,6 +18,8 @@ class Token:
     top: list[tuple[int, str, float | None]] = field(default_factory=list)
     mark: str | None = None  # speculative: accepted | resampled | bonus | target
     entropy: float | None = None  # nats, of the raw distribution it was drawn from (TokenLogprob.entropy)
+    masked: float | None = None  # structured outputs: the probability the grammar removed here (TokenLogprob.masked)
+    draft: DraftCheck | None = None  # speculative: how the target judged the draft this token answers
 
 
 @dataclass
@@ -30,13 +33,16 @@ class Output:
     score: float | None = None  # beam search: length-penalised score
 
 
-def _tokens(ids: list[int], text: str, logprobs: list[TokenLogprob] | None, marks: list | None) -> list[Token]:
+def _tokens(ids: list[int], text: str, logprobs: list[TokenLogprob] | None, marks: list | None,
+            drafts: list[DraftCheck | None] | None = None) -> list[Token]:
     marks = list(marks or [])
+    drafts = list(drafts) if drafts is not None and len(drafts) == len(ids) else [None] * len(ids)
     if logprobs and len(logprobs) == len(ids):
         return [Token(lp.token, lp.token_id, lp.logprob, list(lp.top), marks[i] if i < len(marks) else None,
-                      getattr(lp, "entropy", None)) for i, lp in enumerate(logprobs)]
+                      getattr(lp, "entropy", None), getattr(lp, "masked", None), draft=drafts[i])
+                for i, lp in enumerate(logprobs)]
     if len(ids) == 1:
-        return [Token(text, ids[0], mark=marks[0] if marks else None)]
+        return [Token(text, ids[0], mark=marks[0] if marks else None, draft=drafts[0])]
     return [Token(text, mark=marks[0] if marks else None)] if text else []
 
 
@@ -56,6 +62,7 @@ class Column:
     done: DoneEvent | None = None
     attempt: int = 0  # the run whose tokens are shown; a re-run (its replica died) starts the text again
     restarts: int = 0
+    beam_tree: BeamTree = field(default_factory=BeamTree)  # beam search: the tree the engine streamed (TokenEvent.beam)
     version: int = 0  # bumped on every change, so unchanged columns are not re-sent
 
     @property
@@ -89,10 +96,12 @@ class Column:
         self.last_token_at = now
         if ev.attempt != self.attempt:
             if self.attempt:  # another replica took over: show its run from the start, not a mix of two
-                self.outputs, self.restarts = {}, self.restarts + 1
+                self.outputs, self.restarts, self.beam_tree = {}, self.restarts + 1, BeamTree()
             self.attempt = ev.attempt
+        if ev.beam:
+            self.beam_tree.feed(ev.beam)
         out = self.outputs.setdefault(ev.index, Output(ev.index))
-        new = _tokens(ev.token_ids, ev.text_delta, ev.logprobs, ev.spec)
+        new = _tokens(ev.token_ids, ev.text_delta, ev.logprobs, ev.spec, getattr(ev, "drafts", None))
         if ev.reset:
             out.tokens, out.token_ids, out.text = new, list(ev.token_ids), ev.text_delta
         else:
@@ -113,8 +122,10 @@ class Column:
         out = Output(c.index, token_ids=list(c.token_ids), text=c.text, finish_reason=c.finish_reason,
                      cumulative_logprob=c.cumulative_logprob, score=getattr(c, "score", None))
         marks = getattr(c, "spec", None) or [t.mark for t in old.tokens]
+        drafts = getattr(c, "drafts", None) or [t.draft for t in old.tokens]
         if c.logprobs and len(c.logprobs) == len(c.token_ids):
-            out.tokens = _tokens(c.token_ids, c.text, c.logprobs, marks if len(marks) == len(c.token_ids) else None)
+            out.tokens = _tokens(c.token_ids, c.text, c.logprobs, marks if len(marks) == len(c.token_ids) else None,
+                                 drafts)
         else:  # no logprobs: keep what streamed (it adds up to the final text unless a stop string cut it)
             out.tokens = old.tokens if "".join(t.text for t in old.tokens) == c.text else [Token(c.text)]
         self.outputs[c.index] = out
@@ -176,6 +187,27 @@ class Column:
         if not rounds:
             return None
         return min(1.0, c.get("accepted", 0) / (rounds * k)), False
+
+    def by_position(self, k: int) -> tuple[list[int], list[int], bool] | None:
+        """Per draft position (0 first): (proposed, accepted, exact?). The replica's counters when it sends them;
+        while streaming, counted from the tokens' draft checks: the accepted exactly, the proposed as one per
+        verification round at every position below k (a round drafts k, fewer only near max_tokens)."""
+        spec = getattr(self.done.metrics, "spec", None) if self.done is not None else None
+        if isinstance(spec, dict) and isinstance(spec.get("proposed_by_position"), list):
+            return list(spec["proposed_by_position"]), list(spec.get("accepted_by_position") or []), True
+        out = self.outputs.get(0)
+        checks = [t.draft for t in out.tokens if t.draft is not None] if out else []
+        if not checks:
+            return None
+        width = max(k, 1 + max(c.position for c in checks))
+        rounds = sum(c.position == 0 for c in checks)  # every round with drafts judges its first one
+        return [rounds] * width, [sum(c.accepted and c.position == i for c in checks) for i in range(width)], False
+
+    def tokens_per_step(self) -> float | None:
+        """Tokens per target forward: every forward ends with exactly one resampled, bonus or target token."""
+        c = self.spec_counts()
+        forwards = c.get("resampled", 0) + c.get("bonus", 0) + c.get("target", 0)
+        return sum(c.values()) / forwards if forwards else None
 
     def summary(self) -> dict:
         """The column as plain data (the run's JSON output, which API clients and tests read)."""

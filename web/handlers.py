@@ -6,6 +6,7 @@ import contextlib
 import json
 import time
 from collections import OrderedDict
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import gradio as gr
@@ -16,6 +17,7 @@ from web.columns import Column, Token
 from web.kv_panel import kv_panel_html
 from web.modes import MODES, Settings, check_prompt
 from web.render import column_html, message_html
+from web.roofline import roofline_html
 from web.session import Run, Service
 
 MAX_SESSIONS = 1000
@@ -41,6 +43,16 @@ def service_html(service: Service, ok: bool, live: dict[str, dict]) -> str:
             f'{", ".join(models)} · {running} running</div>')
 
 
+def compare_control(live: dict[str, dict]) -> gr.Checkbox:
+    """"Compare proposers" needs a replica with a draft model (its heartbeat's draft_model): else disabled, with why."""
+    drafts = sorted({Path(str(r["draft_model"])).name for r in live.values() if r.get("draft_model")})
+    if not drafts:
+        return gr.Checkbox(value=False, interactive=False,
+                           info="needs a replica with a draft model (decodelab engine --draft-model): none has one")
+    return gr.Checkbox(interactive=True, info=f"n-gram and the draft model ({', '.join(drafts)}) on the same "
+                                              "prompt, side by side")
+
+
 class Handlers:
     def __init__(self, service: Service):
         self.service = service
@@ -58,25 +70,27 @@ class Handlers:
 
     async def run(self, prompt, chat, system_prompt, max_tokens, model, share, beam_width, length_penalty,
                   beams_shown, temperature, top_k, top_p, min_p, seed, n, proposer, spec_k,
-                  constraint_type, constraint, request: gr.Request):
+                  constraint_type, constraint, compare=False, request: gr.Request = None):
         settings = Settings(prompt=prompt or "", chat=bool(chat), system_prompt=system_prompt or "",
                             max_tokens=max_tokens, model=model or None, beam_width=beam_width,
                             length_penalty=length_penalty, beams_shown=beams_shown, temperature=temperature,
                             top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, n=n, proposer=proposer, spec_k=spec_k,
-                            constraint_type=constraint_type or "none", constraint=constraint or "")
+                            constraint_type=constraint_type or "none", constraint=constraint or "",
+                            compare_proposers=bool(compare))
         skip = gr.skip()
         if (error := check_prompt(settings)) is not None:
-            yield message_html(error), *[skip] * 4, skip, skip, {"error": error}
+            yield message_html(error), *[skip] * 4, skip, skip, skip, {"error": error}
             return
         ok, live = await self.service.health()
         if not ok or not live:
             error = ("Redis is unreachable: the playground cannot reach the engine." if not ok else
                      "No engine replica is connected to Redis, so nothing would answer. Start one "
                      "(decodelab engine, or decodelab play); a model may still be loading.")
-            yield message_html(error), *[skip] * 4, skip, skip, {"error": error}
+            yield message_html(error), *[skip] * 4, skip, skip, skip, {"error": error}
             return
         session = request.session_hash if request is not None else ""
         run = Run(self.service, settings, share_prompt=bool(share), client_id=(session or "")[:128])
+        run.take_replicas(live)  # their roofs, for the engine-steps panel
         if (previous := self.runs.get(session)) is not None and not previous.finished:
             previous.stop()
         self._remember(session, run)
@@ -92,26 +106,35 @@ class Handlers:
         k = int(run.settings.spec_k or 1)
         htmls = []
         for m in MODES:
-            version = (run.trees[m].version, cols["greedy"].version if m == "speculative" else 0)
+            spec = m == "speculative"
+            version = (run.trees[m].version, cols["greedy"].version if spec else 0,
+                       run.rival.version if spec and run.rival else 0)
             if seen.get(m) == version and not final:
                 htmls.append(gr.skip())
                 continue
             seen[m] = version
-            htmls.append(column_html(cols[m], cols["greedy"], k, run.trees[m]))
+            htmls.append(column_html(cols[m], cols["greedy"], k, run.trees[m], run.rival if spec else None))
         kv = kv_panel_html(run.kv, run.owners(), run.kv_peak, running=not final)
         if kv == seen.get("kv") and not final:
             kv = gr.skip()
         else:
             seen["kv"] = kv
-        run.pace = sum(len(x) for x in (*htmls, kv) if isinstance(x, str)) / BYTES_PER_S
+        steps = roofline_html(run.step_lists(), run.roofs, running=not final)
+        if steps == seen.get("steps") and not final:
+            steps = gr.skip()
+        else:
+            seen["steps"] = steps
+        run.pace = sum(len(x) for x in (*htmls, kv, steps) if isinstance(x, str)) / BYTES_PER_S
         if final:
             msg = message_html(run.message) if run.message else ""
             fig = summary_figure([cols[m] for m in MODES])
             data = {"columns": {m: c.summary() for m, c in cols.items()}, "message": run.message,
-                    "kv": run.kv[0].stats if run.kv else None}
-            return msg, *htmls, kv, fig, data
+                    "kv": run.kv[0].stats if run.kv else None,
+                    "proposers": None if run.rival is None else {  # compare proposers: both speculative runs
+                        c.request.params.proposer: c.summary() for c in (cols["speculative"], run.rival)}}
+            return msg, *htmls, kv, steps, fig, data
         msg = message_html(run.message) if run.message else ""
-        return msg, *htmls, kv, (None if clear else gr.skip()), gr.skip()
+        return msg, *htmls, kv, steps, (None if clear else gr.skip()), gr.skip()
 
     async def stop(self, request: gr.Request):
         run = self.runs.get(request.session_hash if request is not None else "")
@@ -120,7 +143,8 @@ class Handlers:
 
     # ---- branches: the page's script (web/branching.js) sends {"op", "mode", "branch", "pos", "token_id", "text"}
     def _column(self, run: Run, mode: str) -> list:
-        return [column_html(run.columns[m], run.columns["greedy"], int(run.settings.spec_k or 1), run.trees[m])
+        return [column_html(run.columns[m], run.columns["greedy"], int(run.settings.spec_k or 1), run.trees[m],
+                            run.rival if m == "speculative" else None)
                 if m == mode else gr.skip() for m in MODES]
 
     async def fork(self, cmd: str, request: gr.Request):
@@ -137,19 +161,21 @@ class Handlers:
             picked = Token(c["text"], c["token_id"], alts.get(c["token_id"]))
             branch = run.fork(c["mode"], c["branch"], c["pos"], picked)
         except (BranchError, ValueError, KeyError, TypeError) as e:
-            yield message_html(str(e)), *[skip] * len(MODES), skip
+            yield message_html(str(e)), *[skip] * len(MODES), skip, skip
             return
         kv_at = 0.0
         async with contextlib.aclosing(run.follow(branch)) as updates:
             async for _ in updates:
                 if self.runs.get(session) is not run:
                     return  # a new Run replaced this one: stop drawing (closing `updates` cancels the branch)
-                kv = skip
+                kv = steps = skip
                 if time.monotonic() - kv_at > 0.5 or branch.column.finished:
                     kv_at = time.monotonic()
                     run.take_kv(await self.service.kv())
+                    await run.take_steps()  # the branch's steps join the run's
                     kv = kv_panel_html(run.kv, run.owners(), run.kv_peak, running=not branch.column.finished)
-                yield "", *self._column(run, c["mode"]), kv
+                    steps = roofline_html(run.step_lists(), run.roofs, running=not branch.column.finished)
+                yield "", *self._column(run, c["mode"]), kv, steps
 
     async def switch(self, cmd: str, request: gr.Request):
         """Show another branch of a column: its tokens are kept in the session, nothing runs."""
@@ -179,7 +205,7 @@ class Handlers:
         ok, live = await self.service.health()
         models = sorted({str(r["model"]) for r in live.values() if r.get("model")})
         dropdown = gr.Dropdown(choices=models, value=models[0] if len(models) == 1 else None)
-        return service_html(self.service, ok, live), await self._kv_html(None), dropdown
+        return service_html(self.service, ok, live), await self._kv_html(None), dropdown, compare_control(live)
 
     async def unload(self, request: gr.Request):
         run = self.runs.pop(request.session_hash if request is not None else "", None)

@@ -42,6 +42,7 @@ class Settings:
     n: int = 1
     proposer: str = "ngram"
     spec_k: int = 4
+    compare_proposers: bool = False  # also send the speculative request with the other proposer (Run.rival)
     constraint_type: str = "none"  # one of CONSTRAINTS
     constraint: str = ""  # the schema as JSON, the regex, or the choices one per line
 
@@ -123,6 +124,10 @@ def _options(mode: str, s: Settings) -> dict:
     if mode == "speculative":  # verified against the target's greedy choice: the text must equal greedy's
         return dict(common, temperature=0.0, proposer=s.proposer, num_speculative_tokens=_int("k", s.spec_k) or 1)
     raise ValueError(f"unknown mode {mode!r}")
+
+
+def other_proposer(proposer: str) -> str:
+    return "draft" if proposer == "ngram" else "ngram"
 
 
 def _short(e: ValidationError) -> str:

@@ -3,8 +3,9 @@ and the column's branch tree.
 
 Tokens of the main text carry what the click-to-branch script (web/branching.js) needs: `data-pos` (position in
 the branch's full token list) and `data-alts` (the alternatives as JSON); the column carries `data-mode` and
-`data-branch`. Each token also carries both shadings, `--u` (1 - p) and `--h` (entropy / ENTROPY_SCALE): the
-"Shade tokens by" toggle only switches which one the stylesheet uses, so it needs no re-render.
+`data-branch`. Each token also carries its shadings, `--u` (1 - p), `--h` (entropy / ENTROPY_SCALE) and, under a
+grammar, `--k` (the probability it masked): the "Shade tokens by" toggle only switches which one the stylesheet
+uses, so it needs no re-render.
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import json
 import math
 from html import escape
 
+from shared.protocol import DraftCheck
+from web.beam_tree import beam_tree_html
 from web.branches import Branch, BranchTree
 from web.columns import Column, Output, Token
 
@@ -51,9 +54,40 @@ def _tip(t: Token) -> str:
         head += f" <small>(logprob {t.logprob:.2f})</small>"
     if t.entropy is not None:
         head += f'<div class="ent">entropy {t.entropy:.2f} nats</div>'
+    if t.masked is not None:
+        head += (f'<div class="msk" title="probability of the raw distribution on tokens the grammar forbade here">'
+                 f'grammar removed {t.masked * 100:.1f}% of the probability</div>')
     if t.mark:
         head += f'<div class="mk">{escape(MARK_TITLES.get(t.mark, t.mark))}</div>'
+    if t.draft is not None:
+        head += _draft_html(t.draft)
     return f'<span class="tip">{head}{"".join(rows)}</span>'
+
+
+def _pct(x: float | None) -> str:
+    return _num(None if x is None else x * 100, ".1f", "%")
+
+
+def _bar_row(text: str, prob: float, me: bool) -> str:
+    return (f'<div class="alt{" me" if me else ""}"><code>{escape(_visible(text))}</code>'
+            f'<i style="width:{prob * 100:.0f}%"></i><span>{prob * 100:.1f}%</span></div>')
+
+
+def _draft_html(d: DraftCheck) -> str:
+    """A speculative token's draft check: the draft's p and q, the textbook acceptance min(1, p/q), what the
+    verifier did, and on a rejection the target's token and the residual max(0, p - q) (shared/protocol.py)."""
+    verdict = '<span class="ok">accepted</span>' if d.accepted else '<span class="no">rejected</span>'
+    q = "1 (n-gram)" if d.p_draft is None else _pct(d.p_draft)
+    rows = [f'<div class="dh">draft <code>{escape(_visible(d.draft_token))}</code> · position {d.position + 1} · '
+            f'{verdict}</div>',
+            f'<div class="dv"><span>p_draft q(x)</span><span>{q}</span></div>',
+            f'<div class="dv"><span>p_target p(x)</span><span>{_pct(d.p_target)}</span></div>',
+            f'<div class="dv"><span>accept min(1, p/q)</span><span>{_pct(d.accept_prob)}</span></div>']
+    if d.residual_token_id is not None:
+        rows.append(f'<div class="dh">target drew <code>{escape(_visible(d.residual_token or ""))}</code> · '
+                    'residual max(0, p − q):</div>')
+        rows += [_bar_row(text, prob, tid == d.residual_token_id) for tid, text, prob in d.residual_top]
+    return f'<div class="dc">{"".join(rows)}</div>'
 
 
 def _visible(text: str) -> str:
@@ -66,6 +100,8 @@ def _token(t: Token, pos: int | None = None, extra: str = "") -> str:
     shade = [] if t.mark else [f"--u:{min(1.0, 1.0 - p):.2f}"] if p is not None else []
     if t.entropy is not None and not t.mark:
         shade.append(f"--h:{min(1.0, max(0.0, t.entropy) / ENTROPY_SCALE):.2f}")
+    if t.masked is not None and not t.mark:
+        shade.append(f"--k:{min(1.0, max(0.0, t.masked)):.2f}")
     attrs = f' style="{";".join(shade)}"' if shade else ""
     if pos is not None:  # clickable: branch from here
         alts = [[tid, text, None if lp is None else round(math.exp(lp), 4)] for tid, text, lp in t.top[:5]]
@@ -126,24 +162,72 @@ def _pill(col: Column) -> str:
     return f'<span class="pill s-{col.status}">{escape(label)}</span>'
 
 
-def _spec_html(col: Column, greedy: Column | None, k: int) -> str:
+def _rate_s(col: Column, k: int) -> str:
+    rate = col.acceptance_rate(k)
+    return "–" if rate is None else f"{'' if rate[1] else '≈'}{rate[0] * 100:.0f}%"
+
+
+def _speed_up(col: Column, greedy: Column | None) -> float | None:
+    return greedy.tpot / col.tpot if greedy is not None and greedy.tpot and col.tpot else None
+
+
+def _by_position_html(col: Column, k: int) -> str:
+    """Acceptance by draft position, one bar per position of a step's draft: accepted / proposed there (a draft is
+    kept only after every draft before it, so the bars fall from left to right)."""
+    got = col.by_position(k)
+    if got is None:
+        return ""
+    proposed, accepted, exact = got
+    bars = []
+    for i, (n, a) in enumerate(zip(proposed, accepted)):
+        rate = a / n if n else None
+        bars.append(f'<div class="bp" title="draft position {i + 1}: {a} accepted of {"" if exact else "≈"}{n}">'
+                    f'<b>{_num(None if rate is None else rate * 100, ".0f", "%")}</b>'
+                    f'<div class="well"><i style="height:{(rate or 0) * 100:.0f}%"></i></div>'
+                    f'<span>{i + 1}</span></div>')
+    cap = "acceptance by draft position" + ("" if exact else " (≈ while streaming)")
+    return (f'<div class="bypos" data-exact="{str(exact).lower()}"><div class="cap">{cap}</div>'
+            f'<div class="bars">{"".join(bars)}</div></div>')
+
+
+def _proposer(col: Column) -> str:
+    return col.request.params.proposer if col.request is not None else "?"
+
+
+def _proposer_card(col: Column, greedy: Column | None, k: int) -> str:
+    """One proposer's numbers, for the side-by-side comparison."""
+    name = _proposer(col)
+    err = f'<div class="err" role="alert">{escape(col.error)}</div>' if col.error else ""
+    return (f'<div class="pcard" data-proposer="{escape(name)}"><div class="pn">{escape(name)} {_pill(col)}</div>'
+            f'{err}<div class="mts">'
+            f'{_metric(_rate_s(col, k), "acceptance", "draft tokens accepted / draft tokens proposed")}'
+            f'{_metric(_num(col.tokens_per_step(), ".2f"), "tok/step", "tokens per target forward")}'
+            f'{_metric(_ms(col.tpot), "TPOT", "time per output token after the first")}'
+            f'{_metric(_num(_speed_up(col, greedy), ".2f", "×"), "vs greedy", "greedy TPOT / this TPOT")}'
+            f'</div>{_by_position_html(col, k)}</div>')
+
+
+def _spec_html(col: Column, greedy: Column | None, k: int, rival: Column | None = None) -> str:
+    """The speculative numbers; with a `rival` (compare proposers: the same request with the other proposer),
+    the two proposers side by side."""
     counts = col.spec_counts()
-    if not counts and col.status != "done":
+    if not counts and col.status != "done" and rival is None:
         return ""
     total = sum(counts.values()) or 1
-    rate = col.acceptance_rate(k)
-    rate_s = "–" if rate is None else f"{'' if rate[1] else '≈'}{rate[0] * 100:.0f}%"
-    speed = None
-    if greedy is not None and greedy.tpot and col.tpot:
-        speed = greedy.tpot / col.tpot
     bar = "".join(f'<i class="m-{m}" style="flex:{counts.get(m, 0)}" title="{m}: {counts.get(m, 0)}"></i>'
                   for m in ("accepted", "bonus", "resampled", "target") if counts.get(m))
-    drafted = _num(counts.get("accepted", 0) / total * 100, ".0f", "%")
-    return (f'<div class="spec"><div class="mts">'
-            f'{_metric(rate_s, "acceptance", "draft tokens accepted / draft tokens proposed")}'
-            f'{_metric(drafted, "from draft", "share of the output the proposer wrote")}'
-            f'{_metric(_num(speed, ".2f", "×"), "vs greedy", "decode speed-up: greedy TPOT / speculative TPOT")}'
-            f'</div><div class="specbar">{bar}</div>'
+    if rival is not None:
+        head = (f'<div class="proposers">{_proposer_card(col, greedy, k)}{_proposer_card(rival, greedy, k)}</div>'
+                f'<div class="sect">marks below: {escape(_proposer(col))}</div>')
+    else:
+        drafted = _num(counts.get("accepted", 0) / total * 100, ".0f", "%")
+        speed = _num(_speed_up(col, greedy), ".2f", "×")
+        head = (f'<div class="mts">'
+                f'{_metric(_rate_s(col, k), "acceptance", "draft tokens accepted / draft tokens proposed")}'
+                f'{_metric(drafted, "from draft", "share of the output the proposer wrote")}'
+                f'{_metric(speed, "vs greedy", "decode speed-up: greedy TPOT / speculative TPOT")}'
+                f'</div>{_by_position_html(col, k)}')
+    return (f'<div class="spec">{head}<div class="specbar">{bar}</div>'
             '<div class="legend"><span class="tk m-accepted">accepted</span> <span class="tk m-resampled">'
             'resampled</span> <span class="tk m-bonus">bonus</span> <span class="tk m-target">target only</span>'
             '</div></div>')
@@ -189,8 +273,10 @@ def _samples_html(col: Column) -> str:
                    for o in outs[1:])
 
 
-def column_html(col: Column, greedy: Column | None = None, spec_k: int = 4, tree: BranchTree | None = None) -> str:
-    """One column; with its `tree`, the tree's active branch (`col` is then ignored) and the tree itself."""
+def column_html(col: Column, greedy: Column | None = None, spec_k: int = 4, tree: BranchTree | None = None,
+                rival: Column | None = None) -> str:
+    """One column; with its `tree`, the tree's active branch (`col` is then ignored) and the tree itself;
+    speculative with a `rival`, the two proposers side by side."""
     branch: Branch | None = tree.current if tree is not None else None
     if branch is not None:
         col = branch.column
@@ -199,7 +285,7 @@ def column_html(col: Column, greedy: Column | None = None, spec_k: int = 4, tree
              f'data-branch="{branch.id if branch else 0}">',
              f'<div class="hd">{_pill(col)}</div>', tree_html(tree) if tree is not None else "", metrics_html(col)]
     if col.mode == "speculative":
-        parts.append(_spec_html(col, greedy, spec_k))
+        parts.append(_spec_html(col, greedy, spec_k, rival))
     if col.error:
         parts.append(f'<div class="err" role="alert">{escape(col.error)}</div>')
     main = col.outputs.get(0)
@@ -211,6 +297,7 @@ def column_html(col: Column, greedy: Column | None = None, spec_k: int = 4, tree
     elif col.status == "idle":
         parts.append('<div class="txt"><span class="dim">Press Run.</span></div>')
     if col.mode == "beam":
+        parts.append(beam_tree_html(col.beam_tree, color))
         parts.append(_beams_html(col))
     elif col.mode == "sample":
         parts.append(_samples_html(col))

@@ -9,23 +9,26 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from redis.exceptions import RedisError
 
 from shared import monitor
 from shared.client import EngineClient, QueueFull
 from shared.keys import Keys
-from shared.monitor import KVSnapshot
+from shared.monitor import KVSnapshot, StepRecord
 from shared.protocol import new_request_id
 from web.branches import Branch, BranchError, BranchTree, continuation
 from web.columns import Column, Token
-from web.modes import MODES, InputError, Settings, build_request
+from web.modes import MODES, InputError, Settings, build_request, other_proposer
 
 log = logging.getLogger("decodelab.web")
 REPLICA_GONE_S = 6.0  # no replica heartbeat this long while requests are out: the engine is down
 REDIS_GONE_S = 4.0
 STOP_GRACE_S = 3.0  # after Stop, wait this long for the replica's "cancelled" before closing columns ourselves
 PREFILL_WAIT_S = 30.0  # share-the-prompt: the others go anyway if greedy has no first token by then
+STEPS_LOOKBACK_S = 60.0  # a run reads step records from this long before it started (clocks of hosts may differ)
+STEP_PAGE, STEP_PAGES = 500, 4  # step records per read, reads per poll: a busy replica's backlog takes a few polls
 
 
 class Service:
@@ -59,15 +62,27 @@ class Service:
         except (TimeoutError, RedisError, OSError):
             return []
 
+    async def steps(self, replica: str, since_id: str) -> tuple[list[StepRecord], str]:
+        try:
+            return await asyncio.wait_for(
+                monitor.steps(self.client().redis, self.keys, replica, since_id, STEP_PAGE), 2.0)
+        except (TimeoutError, RedisError, OSError):
+            return [], since_id
+
 
 class Run:
     def __init__(self, service: Service, settings: Settings, share_prompt: bool = True, client_id: str = ""):
         self.service, self.settings, self.share_prompt, self.client_id = service, settings, share_prompt, client_id
         self.columns = {m: Column(m) for m in MODES}
+        # "compare proposers": the speculative request again with the other proposer, shown beside the first
+        self.rival: Column | None = None
         self.trees = {m: BranchTree.of(c) for m, c in self.columns.items()}  # each column's root + its branches
         self.started_at = time.time()
         self.kv: list[KVSnapshot] = []
         self.kv_peak: KVSnapshot | None = None  # the snapshot with the most blocks held by this run
+        self.steps: dict[str, dict[int, StepRecord]] = {}  # per replica: step number -> a step that ran this run
+        self.roofs: dict[str, dict] = {}  # per replica: its measured roofs (heartbeat)
+        self._step_cursors: dict[str, str] = {}  # per replica: the last step-record stream id read
         self.message: str | None = None  # for the whole run (engine down, ...)
         self._changed = asyncio.Event()
         self._stop_at: float | None = None
@@ -78,20 +93,27 @@ class Run:
 
     @property
     def finished(self) -> bool:
-        return all(c.finished for c in self.columns.values())
+        return all(c.finished for c in self._roots())
+
+    def _roots(self) -> list[Column]:
+        """The columns Run sends: one per mode, and the rival proposer's."""
+        return [*self.columns.values(), *([self.rival] if self.rival is not None else [])]
 
     def all_columns(self) -> list[Column]:
         """The roots and every branch."""
-        return [c for t in self.trees.values() for c in t.columns()]
+        return [c for t in self.trees.values() for c in t.columns()] + ([self.rival] if self.rival else [])
 
     def owners(self) -> dict[str, str]:
         """request id -> its KV-map label: the mode, with the branch number for branches."""
-        return {b.column.request_id: m if b.parent is None else f"{m} ⑂{b.id}"
-                for m, t in self.trees.items() for b in t.branches if b.column.request is not None}
+        owners = {b.column.request_id: m if b.parent is None else f"{m} ⑂{b.id}"
+                  for m, t in self.trees.items() for b in t.branches if b.column.request is not None}
+        if self.rival is not None and self.rival.request is not None:
+            owners[self.rival.request_id] = f"speculative · {self.rival.request.params.proposer}"
+        return owners
 
     def stop(self) -> None:
         """Cancel every request still out (called on the run's event loop, e.g. by the Stop button)."""
-        branches = [c for c in self.all_columns() if c not in self.columns.values() and not c.finished]
+        branches = [c for c in self.all_columns() if c not in self._roots() and not c.finished]
         if branches:
             self._tasks.append(asyncio.create_task(self._cancel_quietly(branches)))
         if self._stop_at is None:
@@ -101,7 +123,7 @@ class Run:
 
     async def _cancel_quietly(self, columns: list[Column] | None = None) -> None:
         client = self.service.client()
-        for col in columns if columns is not None else self.columns.values():
+        for col in columns if columns is not None else self._roots():
             if col.request is not None and (columns is not None or not col.finished):
                 with contextlib.suppress(RedisError, OSError, asyncio.TimeoutError):
                     await asyncio.wait_for(client.cancel(col.request_id), 2.0)
@@ -115,7 +137,7 @@ class Run:
         greedy_first = self.share_prompt and self.columns["greedy"].request is not None
         if not greedy_first:
             self._prefilled.set()
-        for col in self.columns.values():
+        for col in self._roots():
             if col.request is not None:
                 col.status = "queued" if (col.mode == "greedy" or not greedy_first) else "waiting"
                 col.touch()
@@ -128,12 +150,13 @@ class Run:
                     await asyncio.wait_for(self._changed.wait(), 0.5)
                 self._changed.clear()
                 if self._stop_at is not None and time.monotonic() - self._stop_at > STOP_GRACE_S:
-                    for col in self.columns.values():
+                    for col in self._roots():
                         if not col.finished:
                             col.fail("stopped before the replica confirmed", "cancelled", "cancelled")
                 yield
                 await asyncio.sleep(max(min_interval, self.pace))
             self.kv = await self.service.kv()
+            await self.take_steps()
             yield
         finally:
             for task in self._tasks:
@@ -147,6 +170,10 @@ class Run:
                 col.request = build_request(mode, self.settings, self.client_id)
             except InputError as e:
                 col.fail(str(e), "invalid_request", "invalid")
+        if self.settings.compare_proposers and self.columns["speculative"].request is not None:
+            other = replace(self.settings, proposer=other_proposer(self.settings.proposer))
+            self.rival = Column("speculative")
+            self.rival.request = build_request("speculative", other, self.client_id)  # valid: only the proposer differs
 
     async def _stream(self, col: Column) -> None:
         client = self.service.client()
@@ -202,19 +229,20 @@ class Run:
         if now - state["last_health"] >= 1.0:
             state["last_health"] = now
             ok, live = await self.service.health()
+            self.take_replicas(live)
             state["redis_lost"] = None if ok else (state["redis_lost"] or now)
             state["replicas_lost"] = None if (live or not ok) else (state["replicas_lost"] or now)
             if state["redis_lost"] and now - state["redis_lost"] > self.service.redis_gone_s:
                 self._abandon("Redis became unreachable during the run; the results are unknown.", "unavailable")
             elif state["replicas_lost"] and now - state["replicas_lost"] > self.service.replica_gone_s:
-                out = [c for c in self.columns.values() if not c.finished]
+                out = [c for c in self._roots() if not c.finished]
                 self._abandon("The engine went down: no replica has sent a heartbeat for "
                               f"{self.service.replica_gone_s:.0f}s. Start one (decodelab engine) and run again.",
                               "unavailable")
                 await self._cancel_quietly(out)  # so that a replica starting later does not run them
         if state["redis_lost"]:
             return
-        for col in self.columns.values():
+        for col in self._roots():
             if col.status == "queued" and col.entry_id:
                 with contextlib.suppress(RedisError, OSError, asyncio.TimeoutError):
                     pos = await asyncio.wait_for(monitor.queue_position(client.redis, keys, col.entry_id), 2)
@@ -222,6 +250,7 @@ class Run:
                         col.queue_position = pos
                         col.touch()
         self.take_kv(await self.service.kv())
+        await self.take_steps()
 
     def take_kv(self, snaps: list[KVSnapshot]) -> None:
         self.kv = snaps
@@ -234,9 +263,32 @@ class Run:
             if held(s) and (self.kv_peak is None or held(s) >= held(self.kv_peak)):
                 self.kv_peak = s
 
+    def take_replicas(self, live: dict[str, dict]) -> None:
+        """The replicas' heartbeats: their roofs, for the engine-steps panel."""
+        self.roofs.update((name, r["roofs"]) for name, r in live.items() if isinstance(r.get("roofs"), dict))
+
+    async def take_steps(self) -> None:
+        """Read on in the step stream of each replica seen (KV snapshots, heartbeats); keep the steps whose batch
+        held one of this run's requests, once each (by step number)."""
+        ours = {c.request_id for c in self.all_columns() if c.request is not None}
+        for name in sorted({s.replica for s in self.kv} | set(self.roofs)):
+            since = self._step_cursors.get(name) or monitor.stream_id_at(self.started_at - STEPS_LOOKBACK_S)
+            for _ in range(STEP_PAGES):
+                records, since = await self.service.steps(name, since)
+                for s in records:
+                    if ours.intersection(s.request_ids):
+                        self.steps.setdefault(name, {})[s.step] = s
+                if len(records) < STEP_PAGE:
+                    break
+            self._step_cursors[name] = since
+
+    def step_lists(self) -> dict[str, list[StepRecord]]:
+        """Per replica, this run's steps, oldest first."""
+        return {name: [by_step[k] for k in sorted(by_step)] for name, by_step in self.steps.items()}
+
     def _abandon(self, message: str, code: str) -> None:
         self.message = message
-        for col in self.columns.values():
+        for col in self._roots():
             if not col.finished:
                 col.fail(message, code)
 

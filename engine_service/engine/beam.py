@@ -7,6 +7,11 @@ those among the top W that stop become finished hypotheses (scored by log-prob /
 the best W that do not stop are the next live beams. A beam that survives into several children is
 forked (the children share all its blocks; the first write into the shared last block copies it);
 a beam with no child is freed at once. Finished hypotheses are plain token lists: they hold no blocks.
+
+The search also records its tree for the playground (`events`, drained with each output): every hypothesis it
+keeps is a node (the prompt is node 0); a step adds a "fork" node per live beam it keeps (child of the beam it
+grew from) and a "finish" node per hypothesis that ends, and "prunes" the beams left without a child and the
+finished hypotheses pushed out of the best W. A few dicts per step: recorded for every beam request.
 """
 from dataclasses import dataclass
 
@@ -25,6 +30,8 @@ class Hypothesis:
     logprobs: list[dict[int, float]] | None
     finish_reason: str
     entropies: list[float] | None = None  # with logprobs: nats of the raw distribution each token came from
+    masked: list[float | None] | None = None  # with logprobs and a grammar: the mass it removed per token
+    node: int = 0  # its node in the beam tree (events)
 
 
 class BeamSearch:
@@ -36,10 +43,14 @@ class BeamSearch:
         # HF keeps (1 + #stop tokens) * W candidates (at least 2W): then W of them never stop
         self.num_candidates = max(2, 1 + len(stop_ids)) * self.width
         self.scores = torch.zeros(1)  # per live beam (req.seqs order, best first): summed processed log-probs
-        self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # seq_id -> (processed, raw) log-probs
+        # seq_id -> (processed, raw) log-probs and the raw mass its grammar masked (None: no grammar)
+        self.pending: dict[int, tuple[torch.Tensor, torch.Tensor, float | None]] = {}
         self.finished: list[Hypothesis] = []  # best first, at most W
         self.done = False
         self.num_steps = 0
+        self.events: list[dict] = []  # the tree's changes since drain(), BeamEvent's fields (shared/protocol.py)
+        self.nodes: dict[int, int] = {}  # seq_id of a live beam -> its node (absent: the root, 0)
+        self._next_node = 1
 
     def ready(self, req: Request) -> bool:
         return not self.done and all(s.seq_id in self.pending for s in req.seqs)
@@ -51,6 +62,7 @@ class BeamSearch:
         assert beams and len(beams) == self.scores.numel() and self.ready(req)
         processed = torch.stack([self.pending[s.seq_id][0] for s in beams])
         raw = torch.stack([self.pending[s.seq_id][1] for s in beams])
+        masked = [self.pending[s.seq_id][2] for s in beams]
         self.pending.clear()
         # with logprobs, each beam's row entropy (what its children's tokens were drawn from): one pass, W rows
         nats = entropy(raw).tolist() if self.num_logprobs is not None else [None] * len(beams)
@@ -65,10 +77,12 @@ class BeamSearch:
         assert all(s.num_output_tokens + 1 == gen_len for s in beams), "beams of a request step together"
         stops = [t in self.stop_ids or gen_len >= self.max_tokens for t in tokens]
         penalised = top / gen_len ** self.length_penalty
+        step, parent_nodes = self.num_steps, [self.nodes.get(s.seq_id, 0) for s in beams]
         for i in range(min(self.width, len(tokens))):  # only the top W candidates may finish (HF)
             if stops[i]:
-                self._add_finished(beams[parents[i]], tokens[i], raw[parents[i]], float(penalised[i]),
-                                   nats[parents[i]])
+                b = parents[i]
+                self._add_finished(beams[b], tokens[i], raw[b], float(penalised[i]), nats[b], masked[b],
+                                   parent_nodes[b], step)
         keep = [i for i in range(len(tokens)) if not stops[i]][:self.width]
         children: dict[int, list[int]] = {}
         for i in keep:
@@ -78,19 +92,44 @@ class BeamSearch:
             kids = children.get(b, [])
             for i in kids[1:]:  # fork before the parent moves on: the children share its blocks
                 new[i] = fork(seq)
-                self._extend(new[i], tokens[i], raw[b], nats[b])
+                self._extend(new[i], tokens[i], raw[b], nats[b], masked[b])
             if kids:
-                self._extend(seq, tokens[kids[0]], raw[b], nats[b])
+                self._extend(seq, tokens[kids[0]], raw[b], nats[b], masked[b])
                 new[kids[0]] = seq
             else:
+                self._event("prune", step, parent_nodes[b])
+                self.nodes.pop(seq.seq_id, None)
                 drop(seq)
         req.seqs = [new[i] for i in keep]
+        for rank, i in enumerate(keep):
+            seq = req.seqs[rank]
+            self.nodes[seq.seq_id] = node = self._new_node()
+            self._event("fork", step, node, parent_nodes[parents[i]], tokens[i], float(raw[parents[i], tokens[i]]),
+                        float(top[i]), rank, list(seq.block_table))
         self.scores = top[keep]
         self.num_steps += 1
         if not keep or self._cannot_improve(gen_len):
             self.done = True
             for seq in req.seqs:
+                self._event("prune", step, self.nodes.pop(seq.seq_id))
                 drop(seq)
+
+    def drain(self) -> list[dict]:
+        """The tree's changes since the last call."""
+        events, self.events = self.events, []
+        return events
+
+    def _new_node(self) -> int:
+        self._next_node += 1
+        return self._next_node - 1
+
+    def _event(self, kind: str, step: int, node: int, parent: int | None = None, token: int | None = None,
+               logprob: float | None = None, score: float | None = None, rank: int | None = None,
+               blocks: list[int] | None = None) -> None:
+        self.events.append({"kind": kind, "step": step, "node": node, "parent": parent, "token_id": token,
+                            "logprob": logprob if logprob is None or logprob > float("-inf") else None,
+                            "score": score if score is None or score > float("-inf") else None, "rank": rank,
+                            "blocks": blocks})
 
     def _cannot_improve(self, gen_len: int) -> bool:
         """HF's stopping rule once W hypotheses are finished: early_stopping=True stops at once; False and
@@ -103,12 +142,15 @@ class BeamSearch:
         best = self.scores[0] / length ** self.length_penalty
         return not bool(best > self.finished[-1].score)
 
-    def _extend(self, seq: Sequence, token: int, raw: torch.Tensor, nats: float | None) -> None:
+    def _extend(self, seq: Sequence, token: int, raw: torch.Tensor, nats: float | None,
+                masked: float | None) -> None:
         seq.token_ids.append(token)
         seq.cumulative_logprob += float(raw[token])
         if self.num_logprobs is not None:
             seq.logprobs.append(self._logprob_entry(raw, token))
             seq.entropies.append(nats)
+            if seq.grammar is not None:
+                seq.masked.append(masked)
 
     def _logprob_entry(self, raw: torch.Tensor, token: int) -> dict[int, float]:
         entry = {}
@@ -118,16 +160,22 @@ class BeamSearch:
         entry[token] = float(raw[token])
         return entry
 
-    def _add_finished(self, parent: Sequence, token: int, raw: torch.Tensor, score: float,
-                      nats: float | None) -> None:
-        logprobs = entropies = None
+    def _add_finished(self, parent: Sequence, token: int, raw: torch.Tensor, score: float, nats: float | None,
+                      masked: float | None, parent_node: int, step: int) -> None:
+        logprobs = entropies = masks = None
         if self.num_logprobs is not None:
             logprobs = parent.logprobs + [self._logprob_entry(raw, token)]
             entropies = parent.entropies + [nats]
+            masks = parent.masked + [masked] if parent.grammar is not None else None
         hyp = Hypothesis(parent.output_token_ids + [token], parent.cumulative_logprob + float(raw[token]), score,
-                         logprobs, "stop" if token in self.stop_ids else "length", entropies)
+                         logprobs, "stop" if token in self.stop_ids else "length", entropies, masks,
+                         self._new_node())
         self.finished.append(hyp)
         self.finished.sort(key=lambda h: -h.score)  # stable: on a tie the earlier hypothesis stays ahead
+        rank = next((r for r, h in enumerate(self.finished[:self.width]) if h is hyp), None)
+        self._event("finish", step, hyp.node, parent_node, token, float(raw[token]), score, rank)
+        for lost in self.finished[self.width:]:
+            self._event("prune", step, lost.node)
         del self.finished[self.width:]
 
     def outputs(self, req: Request, decode) -> list[CompletionOutput]:
@@ -135,7 +183,7 @@ class BeamSearch:
         n = req.params.n
         if self.done:
             return [CompletionOutput(i, decode(h.token_ids), list(h.token_ids), h.cumulative_logprob, h.logprobs,
-                                     h.finish_reason, h.score, entropies=h.entropies)
+                                     h.finish_reason, h.score, entropies=h.entropies, masked=h.masked)
                     for i, h in enumerate(self.finished[:n])]
         outs = []
         for i, seq in enumerate(req.seqs[:n]):
@@ -143,6 +191,7 @@ class BeamSearch:
             score = float(self.scores[i]) / max(1, len(ids)) ** self.length_penalty
             logprobs = list(seq.logprobs) if self.num_logprobs is not None else None
             entropies = list(seq.entropies) if self.num_logprobs is not None else None
+            masked = list(seq.masked) if self.num_logprobs is not None and seq.grammar is not None else None
             outs.append(CompletionOutput(i, decode(ids), ids, seq.cumulative_logprob, logprobs, None, score,
-                                         entropies=entropies))
+                                         entropies=entropies, masked=masked))
         return outs

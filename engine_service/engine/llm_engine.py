@@ -1,6 +1,7 @@
 """The engine loop: requests in, one scheduled batch per step, new tokens out."""
 import itertools
 import time
+from collections import deque
 
 import torch
 
@@ -15,13 +16,14 @@ from engine_service.engine.models.loader import load_tokenizer, resolve_model
 from engine_service.engine.outputs import RequestOutput, request_output
 from engine_service.engine.prompt_logprobs import positions_to_score, score_prompt
 from engine_service.engine.proposers import DraftModel
+from engine_service.engine.roofline import CostModel, StepRecord, StepShape
 from engine_service.engine.sampler import SamplingBatch, entropy, process_logits, sample
 from engine_service.engine.sampling_params import SamplingParams
 from engine_service.engine.scheduler import Scheduler
 from engine_service.engine.sequence import Request, Sequence, SpecStats
 from engine_service.engine.spec_decode import SpecDecoder
 from engine_service.engine.stats import EngineStats
-from engine_service.engine.structured import GrammarState, StructuredDecoding, masks
+from engine_service.engine.structured import GrammarState, StructuredDecoding, masked_mass, masks
 
 
 class LLMEngine:
@@ -42,6 +44,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self.num_steps = 0
+        self.cost = CostModel.of(self.runner)  # prices each step for the roofline (roofline.py)
+        self.step_log: deque[StepRecord] = deque(maxlen=512)  # the latest steps, newest last
         drafter = None
         if config.draft_model:
             draft_dir = resolve_model(config.draft_model, config.cache_dir)
@@ -70,6 +74,7 @@ class LLMEngine:
         seq.grammar = grammar
         if req.spec is not None:
             seq.spec_marks = []
+            seq.draft_checks = []
             seq.spec_seed = params.seed if params.seed is not None else int(torch.randint(2 ** 62, ()))
         self.requests[request_id] = req
         self.scheduler.add(seq)
@@ -96,6 +101,7 @@ class LLMEngine:
 
     # ---- one step
     def step(self) -> list[RequestOutput]:
+        began, t0 = time.time(), time.perf_counter()
         self.spec.propose(self.scheduler.running, self.max_model_len)
         batch = self.scheduler.schedule()
         self.spec.fit(batch)
@@ -105,6 +111,7 @@ class LLMEngine:
         if not batch.seqs:
             return []
         self.num_steps += 1
+        shape = StepShape.of(batch)  # before the step moves its sequences on
         now = time.monotonic()
         for seq in batch.seqs:
             if seq.request.first_scheduled_time is None:
@@ -149,8 +156,8 @@ class LLMEngine:
         if to_sample:
             sampled = run_isolated(to_sample, lambda items: self._sample(logits, items), self._fail)
             now = time.monotonic()
-            for (seq, _), (token, logprob, top, ent) in sampled:
-                self._append_token(seq, token, logprob, top, now, ent)
+            for (seq, _), (token, logprob, top, ent, masked) in sampled:
+                self._append_token(seq, token, logprob, top, now, ent, masked)
                 touched[seq.request.request_id] = seq.request
         if spec:
             for req in self._verify(spec, now):
@@ -159,29 +166,36 @@ class LLMEngine:
             for req in self._beam_step(logits, beams, now):
                 touched[req.request_id] = req
         touched.update((rid, self.requests[rid]) for rid in self.errors)
-        return [self._output(req) for req in touched.values()]
+        outputs = [self._output(req) for req in touched.values()]
+        self.step_log.append(self.cost.record(self.num_steps, began, time.perf_counter() - t0, shape, len(logits)))
+        return outputs
 
     def _sample(self, logits: torch.Tensor, items: list[tuple[Sequence, int]]) -> list[tuple]:
-        """(token, its log-prob, top {id: log-prob} or None, entropy or None) per item."""
+        """(token, its log-prob, top {id: log-prob} or None, entropy or None, masked mass or None) per item."""
         out = sample(logits[[r for _, r in items]], self._sampling_batch([s for s, _ in items]))
         asked = [s.request.params.logprobs for s, _ in items]
         ents = out.entropy.tolist() if out.entropy is not None else [None] * len(items)
-        return [(*row, e if k is not None else None) for row, e, k in zip(out.rows(asked), ents, asked)]
+        masked = out.masked or [None] * len(items)
+        return [(*row, e if k is not None else None, m if k is not None else None)
+                for row, e, m, k in zip(out.rows(asked), ents, masked, asked)]
 
     def _verify(self, items: list[tuple[Sequence, torch.Tensor]], now: float) -> list[Request]:
         """Speculative sequences: keep the accepted drafts plus one target token; roll back the rest."""
         counters = [self.spec.totals] + [seq.request.spec for seq, _ in items]
-        for _, (seq, tokens, marks, logprobs) in run_isolated(items, self.spec.verify_batch, self._fail, counters):
-            self.block_manager.truncate(seq, seq.num_tokens + len(tokens) - 1)  # KV of the accepted drafts stays
+        for _, v in run_isolated(items, self.spec.verify_batch, self._fail, counters):
+            seq = v.seq
+            seq.draft_probs = None  # the checks hold what they need of q: free the [k, vocab] rows
+            self.block_manager.truncate(seq, seq.num_tokens + len(v.tokens) - 1)  # KV of the accepted drafts stays
             p = seq.request.params
-            for token, mark, row in zip(tokens, marks, logprobs):
+            for token, mark, row, check, masked in zip(v.tokens, v.marks, v.logprobs, v.checks, v.masked):
                 top = None
                 if p.logprobs:
                     values, ids = row.topk(p.logprobs)
                     top = dict(zip(ids.tolist(), values.tolist()))
                 seq.spec_marks.append(mark)
+                seq.draft_checks.append(check)
                 ent = float(entropy(row)) if p.logprobs is not None else None
-                self._append_token(seq, token, float(row[token]), top, now, ent)
+                self._append_token(seq, token, float(row[token]), top, now, ent, masked)
                 if seq.is_finished:
                     break
             if not seq.is_finished:
@@ -212,17 +226,19 @@ class LLMEngine:
         return stepped
 
     def _beam_logprobs(self, logits: torch.Tensor, items: list[tuple[Sequence, int]]) -> list[tuple]:
-        """(processed, raw) next-token log-probs per beam."""
+        """(processed, raw) next-token log-probs per beam, and the raw mass its grammar masks (None: none)."""
         raw = logits[[r for _, r in items]].log_softmax(dim=-1)
-        processed = process_logits(raw.clone(), self._sampling_batch([s for s, _ in items]))
-        return list(zip(processed, raw))
+        b = self._sampling_batch([s for s, _ in items])
+        masked = masked_mass(raw, b.grammar) if b.entropy and b.grammar is not None else [None] * len(items)
+        processed = process_logits(raw.clone(), b)
+        return list(zip(processed, raw, masked))
 
     def _fork_beam(self, parent: Sequence) -> Sequence:
         child = self._new_seq(parent.request, list(parent.token_ids), parent.index)
         # the parse state forks with the blocks: a deep copy at the parent's state, before either moves on
         child.grammar = parent.grammar.fork() if parent.grammar is not None else None
         child.cumulative_logprob, child.logprobs = parent.cumulative_logprob, list(parent.logprobs)
-        child.entropies = list(parent.entropies)
+        child.entropies, child.masked = list(parent.entropies), list(parent.masked)
         self.block_manager.fork(parent, child)
         self.scheduler.add_running(child, after=parent)
         return child
@@ -253,7 +269,7 @@ class LLMEngine:
         return set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
 
     def _append_token(self, seq: Sequence, token: int, logprob: float, top: dict | None, now: float,
-                      nats: float | None = None) -> None:
+                      nats: float | None = None, masked: float | None = None) -> None:
         req, p = seq.request, seq.request.params
         seq.token_ids.append(token)
         seq.cumulative_logprob += logprob
@@ -261,6 +277,8 @@ class LLMEngine:
             seq.logprobs.append({**(top or {}), token: logprob})
             if nats is not None:  # the entropy of the distribution it was drawn from
                 seq.entropies.append(nats)
+            if seq.grammar is not None:  # and what its grammar took away from that distribution
+                seq.masked.append(masked)
         req.first_token_time = req.first_token_time or now
         req.last_token_time = now
         ended = False  # the grammar accepted its stop token: nothing may follow

@@ -23,6 +23,12 @@ class CompletionOutput:
     # with logprobs: the entropy (nats) of the raw distribution each token was drawn from (for a beam's token:
     # of its parent beam's next-token distribution)
     entropies: list[float] | None = None
+    # with logprobs and a grammar: per token, the raw probability on the tokens the grammar forbade there
+    masked: list[float | None] | None = None
+    # speculative decoding, per generated token: the draft check that produced it (None: a bonus/target token),
+    # a dict with DraftCheck's fields (shared/protocol.py) but token ids only: position, draft_token_id, p_draft,
+    # p_target, accept_prob, accepted, residual_token_id, residual_top [(id, probability)]
+    drafts: list[dict | None] | None = None
 
 
 @dataclass
@@ -54,6 +60,8 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: None for the first prompt token, then {id: log-prob} per prompt token
     # (top-N plus the token); set once the prefill has scored the whole prompt
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # beam search: the tree's changes since the last output (beam.py), dicts with BeamEvent's fields, ids only
+    beam_events: list[dict] | None = None
 
 
 def request_output(req: "Request", detok: "Detokenizer", finished: bool, error: str | None) -> RequestOutput:
@@ -68,7 +76,10 @@ def request_output(req: "Request", detok: "Detokenizer", finished: bool, error: 
                                  list(s.logprobs) if with_logprobs else None, s.finish_reason,
                                  spec_marks=list(s.spec_marks) if s.spec_marks is not None else None,
                                  entropies=list(s.entropies) if with_logprobs and len(s.entropies) == len(
-                                     s.logprobs) else None)
+                                     s.logprobs) else None,
+                                 masked=list(s.masked) if with_logprobs and s.grammar is not None and len(
+                                     s.masked) == len(s.logprobs) else None,
+                                 drafts=list(s.draft_checks) if s.draft_checks is not None else None)
                 for s in sorted(req.seqs, key=lambda s: s.index)]
     if req.spec is not None:
         metrics.spec = req.spec.to_dict()
@@ -76,7 +87,8 @@ def request_output(req: "Request", detok: "Detokenizer", finished: bool, error: 
     if prompt_logprobs is not None and len(prompt_logprobs) < len(req.prompt_token_ids):
         prompt_logprobs = None  # still prefilling
     return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished, metrics, error,
-                         list(prompt_logprobs) if prompt_logprobs is not None else None)
+                         list(prompt_logprobs) if prompt_logprobs is not None else None,
+                         req.beam.drain() if req.beam is not None else None)
 
 
 def request_metrics(req: "Request") -> RequestMetrics:

@@ -8,7 +8,9 @@
   cache; before proposing, the mirror is cut back to the longest prefix it still shares with the
   target (rejected drafts roll back there), then k autoregressive draft steps run, batched over all
   sequences that asked for a proposal. A sampling request's draft at position t is argmax(q_t / E_t)
-  with the noise E_t the target draws with at t (spec_decode: the coupling).
+  with the noise E_t the target draws with at t (spec_decode: the coupling). It also returns each q_t
+  (after the request's processors; a greedy request's at temperature 1): verification needs none, the
+  draft checks (spec_decode.draft_checks) report q_t(x) and the residual max(0, p_t - q_t).
 """
 from dataclasses import dataclass, field
 
@@ -34,6 +36,13 @@ def ngram_propose(token_ids: list[int], k: int, ngram_min: int, ngram_max: int) 
             start = int(hits[-1]) + n
             return ids[start:start + k].tolist()
     return []
+
+
+@dataclass
+class Proposal:
+    """A draft model's proposal for one sequence: its tokens and the distribution each was drawn from."""
+    tokens: list[int]
+    probs: torch.Tensor | None  # [len(tokens), vocab] q_t per drafted token (None when there are none)
 
 
 @dataclass
@@ -95,11 +104,12 @@ class DraftModel:
         return mirror
 
     @torch.inference_mode()
-    def propose(self, items: list[tuple[Sequence, int]], sampling_batch) -> list[list[int]]:
-        """Up to k draft tokens per (sequence, k). `sampling_batch(contexts)` builds the same processors
-        the target applies."""
+    def propose(self, items: list[tuple[Sequence, int]], sampling_batch) -> list[Proposal]:
+        """Up to k draft tokens per (sequence, k), with their q rows. `sampling_batch(contexts)` builds the
+        same processors the target applies."""
         mirrors = [self._sync(seq) for seq, _ in items]
         drafts: list[list[int]] = [[] for _ in items]
+        probs: list[list[torch.Tensor]] = [[] for _ in items]
         active = list(range(len(items)))
         while active:
             batch, live = ScheduledBatch(), []
@@ -124,14 +134,16 @@ class DraftModel:
             sb: SamplingBatch = sampling_batch([Context(items[i][0].request, mirrors[i].token_ids,
                                                         items[i][0].generator, items[i][0].grammar) for i in live])
             processed = process_logits(logits[rows], sb)
+            q = processed.softmax(-1)  # one softmax for the batch: the race below and the draft checks share it
             for row, i in enumerate(live):
                 seq, scores = items[i][0], processed[row]
                 if not seq.request.params.greedy:  # the exponential race with the target's noise at this position
                     noise = position_noise(seq.spec_seed, mirrors[i].num_tokens, scores.shape[0])
-                    scores = scores.softmax(-1) / noise.to(scores.device)
+                    scores = q[row] / noise.to(scores.device)
                 token = int(scores.argmax())
                 drafts[i].append(token)
+                probs[i].append(q[row])
                 mirrors[i].token_ids.append(token)
             active = [i for i in live if len(drafts[i]) < items[i][1]]
-        return drafts
+        return [Proposal(d, torch.stack(q) if q else None) for d, q in zip(drafts, probs)]
 

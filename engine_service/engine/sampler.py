@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from engine_service.engine.sampling_params import SAMPLING_EPS, SamplingParams
-from engine_service.engine.structured import GrammarMask, apply_mask
+from engine_service.engine.structured import GrammarMask, apply_mask, masked_mass
 
 
 @dataclass
@@ -83,6 +83,8 @@ class SamplerOutput:
     top_ids: torch.Tensor | None  # [S, N]
     top_logprobs: torch.Tensor | None  # [S, N]
     entropy: torch.Tensor | None = None  # [S] nats, of the raw distribution (SamplingBatch.entropy)
+    # with SamplingBatch.entropy and a grammar: per row, the raw probability its mask removed (None: unconstrained)
+    masked: list[float | None] | None = None
 
     def rows(self, num_logprobs: list[int | None]) -> list[tuple[int, float, dict[int, float] | None]]:
         """Per row: (token, its log-prob, its top num_logprobs[row] {id: log-prob}, None when 0 or None)."""
@@ -233,7 +235,8 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
     top_ids = top_lp = None
     if b.num_logprobs > 0:
         top_lp, top_ids = raw_logprobs.topk(b.num_logprobs, dim=1)
-    return SamplerOutput(tokens, chosen, top_ids, top_lp, entropy(raw_logprobs) if b.entropy else None)
+    masked = masked_mass(raw_logprobs, b.grammar) if b.entropy and b.grammar is not None else None
+    return SamplerOutput(tokens, chosen, top_ids, top_lp, entropy(raw_logprobs) if b.entropy else None, masked)
 
 
 def entropy(logprobs: torch.Tensor) -> torch.Tensor:

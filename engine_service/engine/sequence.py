@@ -30,6 +30,8 @@ class Sequence:
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, float]] = field(default_factory=list)
     entropies: list[float] = field(default_factory=list)  # beside logprobs: nats of each raw distribution
+    # beside logprobs, with a grammar: the raw probability the grammar's mask removed at each position
+    masked: list[float | None] = field(default_factory=list)
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     text: str = ""
@@ -39,8 +41,11 @@ class Sequence:
     # speculative decoding: the last num_draft_tokens of token_ids are proposals awaiting verification
     num_draft_tokens: int = 0
     spec_seed: int = 0  # keys the sampling noise of each position (spec_decode); the request's seed if set
-    draft_probs: torch.Tensor | None = None  # unused: coupled verification needs no q (isolation.py saves it)
+    # [num_draft_tokens, vocab] the draft model's q_t per pending draft (None: n-gram, a point mass); verification
+    # needs none (coupled), the draft checks do (spec_decode.draft_checks)
+    draft_probs: torch.Tensor | None = None
     spec_marks: list[str] | None = None  # per generated token, see CompletionOutput.spec_marks
+    draft_checks: list[dict | None] | None = None  # per generated token, see CompletionOutput.drafts
     grammar: GrammarState | None = None  # structured outputs: this stream's matcher (structured.py)
 
     @property
@@ -77,17 +82,31 @@ class SpecStats:
     steps: int = 0  # verification forwards (with at least one draft token)
     proposed: int = 0
     accepted: int = 0
+    # per draft position i (0: the first token after the last verified one): steps that drafted a token there,
+    # and steps that kept it (every draft before it kept too, so the rate falls with i); they sum to the totals
+    proposed_by_position: list[int] = field(default_factory=list)
+    accepted_by_position: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.proposed_by_position = self.proposed_by_position or [0] * self.k
+        self.accepted_by_position = self.accepted_by_position or [0] * self.k
 
     def add(self, proposed: int, accepted: int) -> None:
         self.steps += 1
         self.proposed += proposed
         self.accepted += accepted
+        # new lists, not in place: run_isolated undoes a failed batch by restoring a shallow copy of the fields
+        pad = [0] * max(0, proposed - len(self.proposed_by_position))  # the engine-wide totals grow to any k
+        self.proposed_by_position = [n + (i < proposed) for i, n in enumerate(self.proposed_by_position + pad)]
+        self.accepted_by_position = [n + (i < accepted) for i, n in enumerate(self.accepted_by_position + pad)]
 
     def to_dict(self) -> dict:
         return {"proposer": self.proposer, "num_speculative_tokens": self.k, "steps": self.steps,
                 "proposed": self.proposed, "accepted": self.accepted,
                 "acceptance_rate": self.accepted / self.proposed if self.proposed else None,
-                "mean_accepted_length": self.accepted / self.steps if self.steps else None}
+                "mean_accepted_length": self.accepted / self.steps if self.steps else None,
+                "proposed_by_position": list(self.proposed_by_position),
+                "accepted_by_position": list(self.accepted_by_position)}
 
 
 @dataclass(eq=False)

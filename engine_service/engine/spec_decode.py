@@ -26,13 +26,23 @@ With structured outputs, p_t (and q_t) are masked by the grammar after the prefi
 the constrained target.
 The KV of rejected drafts is rolled back (BlockManager.truncate); the draft cache rolls back lazily
 in DraftModel._sync.
+
+Draft checks (`draft_checks`, shown by the playground): for each verified draft x_t, up to the first mismatch,
+p_t(x) and q_t(x) (after the processors; n-gram: no q, a point mass), and what textbook rejection sampling
+(Leviathan et al. 2023) would do with them: accept with min(1, p/q), else draw from max(0, p - q) renormalised.
+`accepted` is what the coupling above did, so the two need not agree token by token; over many draws the
+coupling keeps somewhat fewer (the bound above). A greedy target is a point mass on its argmax: acceptance 1 or
+0, the residual that argmax alone.
 """
+from dataclasses import dataclass
+
 import torch
 
-from engine_service.engine.proposers import Context, DraftModel, ngram_propose
+from engine_service.engine.proposers import Context, DraftModel, Proposal, ngram_propose
 from engine_service.engine.sampler import position_noise, process_logits
 from engine_service.engine.scheduler import ScheduledBatch
 from engine_service.engine.sequence import Sequence, SpecStats
+from engine_service.engine.structured import masked_mass
 
 
 def verify(processed: torch.Tensor, drafts: list[int], noise: torch.Tensor | None) -> tuple[list[int], list[str]]:
@@ -57,7 +67,53 @@ def target_noise(seq: Sequence, first: int, rows: torch.Tensor) -> torch.Tensor 
     return torch.stack([position_noise(seq.spec_seed, first + i, vocab) for i in range(num)]).to(rows.device)
 
 
-Verified = tuple[Sequence, list[int], list[str], torch.Tensor]  # seq, tokens to append, marks, raw log-probs
+RESIDUAL_TOP = 5  # residual tokens a check reports
+
+
+@dataclass
+class Verified:
+    """One sequence's verification: the tokens to append, with their marks, raw log-prob rows and checks."""
+    seq: Sequence
+    tokens: list[int]
+    marks: list[str]
+    logprobs: torch.Tensor  # [len(tokens), vocab] raw log-probs of the rows the tokens were drawn at
+    checks: list[dict | None]  # draft_checks
+    masked: list[float | None]  # per token: the raw probability its grammar masked (structured.masked_mass)
+
+
+def draft_checks(rows: torch.Tensor, drafts: list[int], q: torch.Tensor | None, tokens: list[int],
+                 greedy: bool) -> list[dict | None]:
+    """One check per appended token (CompletionOutput.drafts): rows [k+1, vocab] the target's processed
+    logits, q [k, vocab] the draft model's distributions (None: n-gram), tokens what verify() appended.
+    The accepted drafts and the first rejected one get a check, the bonus / target token None."""
+    k, kept = len(drafts), len(tokens) - 1
+    n = min(kept + 1, k)  # the drafts that were judged: the kept ones and the first mismatch
+    if n == 0:
+        return [None]
+    x = torch.tensor(drafts[:n], device=rows.device)
+    p = rows[:n].float().softmax(-1)
+    point_mass = q is None
+    q = torch.zeros_like(p).scatter_(1, x[:, None], 1.0) if point_mass else q[:n].to(p.device, p.dtype)
+    p_x, q_x = p.gather(1, x[:, None])[:, 0], q.gather(1, x[:, None])[:, 0]
+    if greedy:
+        accept = (rows[:n].argmax(-1) == x).to(p.dtype)
+    else:
+        accept = (p_x / q_x.clamp_min(torch.finfo(p.dtype).tiny)).clamp_max(1.0)
+    checks: list[dict | None] = [
+        {"position": i, "draft_token_id": drafts[i], "p_draft": None if point_mass else qi, "p_target": pi,
+         "accept_prob": ai, "accepted": i < kept, "residual_token_id": None, "residual_top": []}
+        for i, (pi, qi, ai) in enumerate(zip(p_x.tolist(), q_x.tolist(), accept.tolist()))]
+    if kept < k:  # a rejection: the target's token, and the residual textbook rejection sampling redraws from
+        y = tokens[kept]
+        if greedy:
+            top = [(y, 1.0)]
+        else:
+            residual = (p[kept] - q[kept]).clamp_min(0.0)
+            total = float(residual.sum())
+            values, ids = residual.topk(min(RESIDUAL_TOP, residual.shape[0]))
+            top = [(i, v / total) for i, v in zip(ids.tolist(), values.tolist()) if v > 0] if total > 0 else []
+        checks[kept].update(residual_token_id=y, residual_top=top)
+    return checks + [None] * (len(tokens) - n)
 
 
 class SpecDecoder:
@@ -81,19 +137,22 @@ class SpecDecoder:
             if k <= 0:
                 continue
             if p.proposer == "ngram":
-                self._attach(seq, ngram_propose(seq.token_ids, k, p.ngram_min, p.ngram_max))
+                self._attach(seq, Proposal(ngram_propose(seq.token_ids, k, p.ngram_min, p.ngram_max), None))
             else:
                 wanted.append((seq, k))
         if wanted:
-            for (seq, _), drafts in zip(wanted, self.drafter.propose(wanted, self.sampling_batch)):
-                self._attach(seq, drafts)
+            for (seq, _), proposal in zip(wanted, self.drafter.propose(wanted, self.sampling_batch)):
+                self._attach(seq, proposal)
 
-    def _attach(self, seq: Sequence, drafts: list[int]) -> None:
+    def _attach(self, seq: Sequence, proposal: Proposal) -> None:
+        drafts = proposal.tokens
         if drafts and seq.grammar is not None:  # a draft the grammar refuses could never be kept: cut it here
             drafts = seq.grammar.valid_prefix(seq.output_token_ids, drafts)
         if drafts:
             seq.token_ids += drafts
             seq.num_draft_tokens = len(drafts)
+            # kept as proposed: fit() and the grammar may cut the drafts, verify_batch reads the first k rows
+            seq.draft_probs = proposal.probs
             self.drafted.append(seq)
 
     def fit(self, batch: ScheduledBatch) -> None:
@@ -110,26 +169,32 @@ class SpecDecoder:
     def verify_batch(self, items: list[tuple[Sequence, torch.Tensor]]) -> list[Verified]:
         """items: (sequence, its raw logits [1+k, vocab], k >= 0 drafts); every token of a speculative
         request comes out of here, so each is drawn with its position's noise. The drafts are removed from
-        token_ids. Returns (seq, tokens to append, marks, raw log-probs)."""
+        token_ids."""
         contexts = []
         for seq, rows in items:
             base = seq.num_tokens - seq.num_draft_tokens
             contexts += [Context(seq.request, seq.token_ids[:base + j], seq.generator, seq.grammar)
                          for j in range(len(rows))]
         raw = torch.cat([rows for _, rows in items])
-        processed = process_logits(raw.clone(), self.sampling_batch(contexts))
+        batch = self.sampling_batch(contexts)
+        processed = process_logits(raw.clone(), batch)
         logprobs = raw.log_softmax(dim=-1)
+        masked = masked_mass(logprobs, batch.grammar) if batch.entropy else [None] * len(contexts)
         out, start = [], 0
         for seq, _ in items:
             k = seq.num_draft_tokens
             base = seq.num_tokens - k
             rows = processed[start:start + k + 1]
-            tokens, marks = verify(rows, seq.token_ids[base:], target_noise(seq, base, rows))
+            drafts, greedy = seq.token_ids[base:], seq.request.params.greedy
+            tokens, marks = verify(rows, drafts, target_noise(seq, base, rows))
+            checks = draft_checks(rows, drafts, seq.draft_probs if k else None, tokens, greedy)
             if k:
                 seq.request.spec.add(k, len(tokens) - 1)
                 self.totals.add(k, len(tokens) - 1)
+            # seq.draft_probs stays: a failed batch is re-run (isolation.py); the engine drops it after
             del seq.token_ids[base:]
             seq.num_draft_tokens = 0
-            out.append((seq, tokens, marks, logprobs[start:start + len(tokens)]))
+            out.append(Verified(seq, tokens, marks, logprobs[start:start + len(tokens)], checks,
+                                masked[start:start + len(tokens)]))
             start += k + 1
         return out

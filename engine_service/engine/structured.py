@@ -176,6 +176,20 @@ def apply_mask(logits: torch.Tensor, mask: GrammarMask) -> None:
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1], indices=mask.rows)
 
 
+def masked_mass(logprobs: torch.Tensor, mask: GrammarMask | None) -> list[float | None]:
+    """Per row of `logprobs` (log-softmax of the raw logits): the probability the grammar's mask removes, i.e.
+    on the tokens it forbids (None for a row it does not constrain). What the playground shows per token."""
+    out: list[float | None] = [None] * logprobs.shape[0]
+    if mask is None:
+        return out
+    kept = logprobs.clone()
+    apply_mask(kept, mask)
+    allowed = kept[mask.rows].logsumexp(dim=-1).exp().tolist()
+    for row, a in zip(mask.rows, allowed):
+        out[row] = min(1.0, max(0.0, 1.0 - a))
+    return out
+
+
 class StructuredDecoding:
     """The engine's grammar compiler (built on first use: ~0.2 s for the tokenizer's vocabulary) and its
     cache of compiled grammars, one per distinct spec."""

@@ -20,6 +20,8 @@ class ReplicaInfo(BaseModel):
     running: int
     capacity: int
     precision: str = ""  # what the playground shows beside the model: "int8 weights", "float32", "..., int8 KV"
+    draft_model: str = ""  # the engine's --draft-model ("": none): the playground offers the draft proposer then
+    roofs: dict | None = None  # measured at start-up (engine/roofline.py Roofs): flops_per_s, bytes_per_s, kind, ...
 
 
 def precision(config) -> str:
@@ -99,7 +101,8 @@ class Control:
                 s.commands.put(Drop(job))
         pipe = s.redis.pipeline(transaction=False)
         info = ReplicaInfo(model=s.cfg.model_name, running=len(jobs), capacity=s.capacity(),
-                           precision=precision(s.engine.config))
+                           precision=precision(s.engine.config), draft_model=s.engine.config.draft_model or "",
+                           roofs=s.roofs)
         pipe.set(keys.replica(s.cfg.name), encode(info), px=int(s.cfg.heartbeat_s * 3000))
         pipe.xlen(keys.stream)
         pipe.xpending(keys.stream, keys.group)

@@ -12,7 +12,7 @@ import time
 
 from engine_service.engine.sampling_params import SamplingParams
 from engine_service.server.events import done_event, error_event, token_events
-from engine_service.server.jobs import Add, Cancel, Command, Drop, Job, Publish, StoreSnapshot
+from engine_service.server.jobs import Add, AppendSteps, Cancel, Command, Drop, Job, Publish, StoreSnapshot
 from engine_service.server.kv_snapshot import kv_snapshot
 from engine_service.server.state import ReplicaState
 from shared.protocol import DoneEvent, encode
@@ -27,6 +27,7 @@ class EngineLoop:
         self._stats_at = 0.0
         self._kv_last: dict | None = None
         self._kv_sent_at = 0.0
+        self._steps_sent = self.engine.num_steps  # a shared engine (tests) may have stepped before this replica
 
     def run(self) -> None:
         s = self.s
@@ -61,6 +62,7 @@ class EngineLoop:
             log.exception("engine step failed")
             self._fail_all("engine_error", f"engine step failed: {type(e).__name__}: {e}")
             return
+        self._queue_steps()
         now = time.time()
         if outputs:
             s.max_batch = max(s.max_batch, len(outputs))
@@ -83,6 +85,17 @@ class EngineLoop:
         if body != self._kv_last or time.monotonic() - self._kv_sent_at > 2.0:
             self._kv_last, self._kv_sent_at = body, time.monotonic()
             s.outbox.put(StoreSnapshot(s.keys.kv(s.cfg.name), encode(snap)))
+
+    def _queue_steps(self) -> None:
+        """Hand the engine's new step records (engine.step_log) to the publisher, for the playground's roofline."""
+        log, new = self.engine.step_log, []
+        for record in reversed(log):
+            if record.step <= self._steps_sent:
+                break
+            new.append(record)
+        if new:
+            self._steps_sent = log[-1].step
+            self.s.outbox.put(AppendSteps(self.s.keys.steps(self.s.cfg.name), new[::-1]))
 
     def _apply(self, command: Command) -> None:
         job, s = command.job, self.s

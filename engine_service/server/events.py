@@ -11,24 +11,63 @@ import math
 import time
 
 from engine_service.server.jobs import Job
-from shared.protocol import Completion, DoneEvent, ErrorEvent, Metrics, PromptScores, TokenEvent, TokenLogprob
+from shared.protocol import (
+    BeamEvent,
+    Completion,
+    DoneEvent,
+    DraftCheck,
+    ErrorEvent,
+    Metrics,
+    PromptScores,
+    TokenEvent,
+    TokenLogprob,
+)
+
+
+def _finite(values: list[float | None] | None, i: int) -> float | None:
+    x = values[i] if values is not None and i < len(values) else None
+    return x if x is not None and math.isfinite(x) else None
 
 
 def token_logprobs(tokenizer, token_ids: list[int], entries: list[dict[int, float]],
-                   entropies: list[float] | None = None) -> list[TokenLogprob]:
+                   entropies: list[float] | None = None, masked: list[float | None] | None = None
+                   ) -> list[TokenLogprob]:
     def lp(x: float) -> float | None:
         return x if x > float("-inf") else None
-
-    def nats(i: int) -> float | None:
-        x = entropies[i] if entropies is not None and i < len(entropies) else None
-        return x if x is not None and math.isfinite(x) else None
 
     out = []
     for i, (tid, top) in enumerate(zip(token_ids, entries)):
         ranked = sorted(top.items(), key=lambda kv: -kv[1])
         out.append(TokenLogprob(token_id=tid, token=tokenizer.decode([tid]), logprob=lp(top.get(tid, float("-inf"))),
-                                top=[(t, tokenizer.decode([t]), lp(v)) for t, v in ranked], entropy=nats(i)))
+                                top=[(t, tokenizer.decode([t]), lp(v)) for t, v in ranked],
+                                entropy=_finite(entropies, i), masked=_finite(masked, i)))
     return out
+
+
+def draft_checks(tokenizer, drafts: list[dict | None] | None) -> list[DraftCheck | None] | None:
+    """The engine's per-token draft checks (CompletionOutput.drafts) with the tokens' text."""
+    if drafts is None:
+        return None
+    out: list[DraftCheck | None] = []
+    for d in drafts:
+        if d is None:
+            out.append(None)
+            continue
+        d = dict(d)
+        d["draft_token"] = tokenizer.decode([d["draft_token_id"]])
+        if d.get("residual_token_id") is not None:
+            d["residual_token"] = tokenizer.decode([d["residual_token_id"]])
+        d["residual_top"] = [(t, tokenizer.decode([t]), p) for t, p in d.get("residual_top") or []]
+        out.append(DraftCheck(**d))
+    return out
+
+
+def beam_events(tokenizer, events: list[dict] | None) -> list[BeamEvent] | None:
+    """The engine's beam-tree changes (RequestOutput.beam_events) with the tokens' text."""
+    if not events:
+        return None
+    return [BeamEvent(**e, token=tokenizer.decode([e["token_id"]]) if e.get("token_id") is not None else None)
+            for e in events]
 
 
 def prompt_scores(tokenizer, prompt_ids: list[int], entries: list[dict[int, float] | None]) -> PromptScores:
@@ -47,22 +86,25 @@ def token_events(job: Job, out, tokenizer) -> list[TokenEvent]:
     if out.prompt_logprobs is not None and job.prompt is None:
         job.prompt = new_prompt = prompt_scores(tokenizer, out.prompt_token_ids, out.prompt_logprobs)
     events = []
+    tree = beam_events(tokenizer, getattr(out, "beam_events", None))
     for comp in out.outputs:
         sent_text, sent_ids = job.sent.get(comp.index, ("", []))
-        if comp.token_ids == sent_ids and comp.text == sent_text:
+        if comp.token_ids == sent_ids and comp.text == sent_text and not (tree and comp.index == 0):
             continue
         reset = not (comp.text.startswith(sent_text) and comp.token_ids[:len(sent_ids)] == sent_ids)
         start = 0 if reset else len(sent_ids)
         new_ids = comp.token_ids[start:]
         logprobs = None
         if comp.logprobs is not None:
-            ents = getattr(comp, "entropies", None)
-            logprobs = token_logprobs(tokenizer, new_ids, comp.logprobs[start:], ents[start:] if ents else None)
-        marks = comp.spec_marks
+            ents, masked = getattr(comp, "entropies", None), getattr(comp, "masked", None)
+            logprobs = token_logprobs(tokenizer, new_ids, comp.logprobs[start:], ents[start:] if ents else None,
+                                      masked[start:] if masked else None)
+        marks, drafts = comp.spec_marks, getattr(comp, "drafts", None)
         events.append(TokenEvent(request_id=job.rid, seq=job.next_seq(), attempt=job.attempt, index=comp.index,
                                  text_delta=comp.text if reset else comp.text[len(sent_text):], token_ids=new_ids,
                                  reset=reset, logprobs=logprobs, spec=marks[start:] if marks is not None else None,
-                                 prompt=None if events else new_prompt))
+                                 drafts=draft_checks(tokenizer, drafts[start:] if drafts is not None else None),
+                                 prompt=None if events else new_prompt, beam=tree if comp.index == 0 else None))
         job.sent[comp.index] = (comp.text, list(comp.token_ids))
     return events
 
@@ -78,9 +120,10 @@ def done_event(job: Job, reason: str | None, outputs, tokenizer, replica: str) -
         completions = [Completion(index=c.index, text=c.text, token_ids=c.token_ids, finish_reason=c.finish_reason,
                                   cumulative_logprob=c.cumulative_logprob,
                                   logprobs=(token_logprobs(tokenizer, c.token_ids, c.logprobs,
-                                                           getattr(c, "entropies", None))
+                                                           getattr(c, "entropies", None), getattr(c, "masked", None))
                                             if c.logprobs is not None else None),
-                                  score=c.score, spec=c.spec_marks)
+                                  score=c.score, spec=c.spec_marks,
+                                  drafts=draft_checks(tokenizer, getattr(c, "drafts", None)))
                        for c in outputs]
     now = time.time()
     created = job.request.created_at

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine_service.engine.roofline import StepRecord
 from shared.protocol import GenerationRequest, PromptScores
 
 
@@ -71,6 +72,12 @@ class StoreSnapshot:
 
 
 @dataclass(frozen=True)
+class AppendSteps:
+    key: str
+    records: list[StepRecord]  # the engine's, oldest first (encoded by the publisher, off the engine thread)
+
+
+@dataclass(frozen=True)
 class Finish:
     request_id: str
     entry_id: str
@@ -78,4 +85,4 @@ class Finish:
     client_id: str
 
 
-OutboxItem = Publish | StoreSnapshot | Finish
+OutboxItem = Publish | StoreSnapshot | AppendSteps | Finish

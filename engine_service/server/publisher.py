@@ -1,12 +1,16 @@
-"""The publisher thread: pipelines token events (PUBLISH), KV snapshots (SET) and finishes (the atomic script that
-stores the result, publishes it, acknowledges and deletes the entry and frees the client's slot)."""
+"""The publisher thread: pipelines token events (PUBLISH), KV snapshots (SET), engine step records (XADD to a capped
+stream) and finishes (the atomic script that stores the result, publishes it, acknowledges and deletes the entry and
+frees the client's slot)."""
 from __future__ import annotations
 
 import logging
 import queue
+from dataclasses import asdict
 
-from engine_service.server.jobs import Finish, OutboxItem, Publish, StoreSnapshot
+from engine_service.server.jobs import AppendSteps, Finish, OutboxItem, Publish, StoreSnapshot
 from engine_service.server.state import CONN_ERRORS, ReplicaState
+from shared.monitor import STEPS_MAXLEN, StepRecord
+from shared.protocol import encode
 from shared.scripts import FINISH
 
 log = logging.getLogger("decodelab.replica")
@@ -56,6 +60,11 @@ class Publisher:
                 pipe.publish(keys.events(item.request_id), item.payload)
             elif isinstance(item, StoreSnapshot):
                 pipe.set(item.key, item.payload, px=int(s.cfg.kv_snapshot_ttl_s * 1000))
+            elif isinstance(item, AppendSteps):
+                for record in item.records:  # approximate trimming: Redis drops whole nodes, O(1) per add
+                    pipe.xadd(item.key, {"r": encode(StepRecord(**asdict(record)))}, maxlen=STEPS_MAXLEN,
+                              approximate=True)
+                pipe.pexpire(item.key, int(s.cfg.steps_ttl_s * 1000))
             else:
                 rid = item.request_id
                 self._finish(keys=[keys.result(rid), keys.events(rid), keys.stream, keys.owner(rid),

@@ -6,12 +6,14 @@ and the atomic finish script), `control` (cancel channel, heartbeats). Redis I/O
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
 import redis
 from prometheus_client import CollectorRegistry
 
+from engine_service.engine.roofline import engine_roofs
 from engine_service.server.config import ReplicaConfig
 from engine_service.server.control import Control
 from engine_service.server.engine_loop import EngineLoop
@@ -22,6 +24,7 @@ from engine_service.server.publisher import Publisher
 from engine_service.server.state import ReplicaState
 
 HANDED_BACK_IDLE_MS = 365 * 24 * 3600 * 1000  # idle "forever": past any replica's claim_idle_s
+log = logging.getLogger("decodelab.replica")
 
 
 class Replica:
@@ -33,6 +36,12 @@ class Replica:
         self.state = ReplicaState(engine, config, metrics or ReplicaMetrics(CollectorRegistry()), client,
                                   engine.stats())
         self.state.pulling.set()
+        # measured before serving (the engine would compete for the cores), once per process (roofline.py)
+        roofs = engine_roofs(engine)
+        self.state.roofs = roofs.to_dict()
+        log.info("roofs (%d threads, %.2f s to measure): compute %.1f G%s/s (%s), memory %.1f GB/s, ridge %.1f "
+                 "FLOP/byte", roofs.threads, roofs.seconds, roofs.flops_per_s / 1e9,
+                 "op" if roofs.kind == "int8" else "FLOP", roofs.kind, roofs.bytes_per_s / 1e9, roofs.ridge)
         self.roles = {"intake": Intake(self.state), "engine": EngineLoop(self.state),
                       "publish": Publisher(self.state), "control": Control(self.state)}
         self._threads: list[threading.Thread] = []

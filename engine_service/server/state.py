@@ -37,6 +37,7 @@ class ReplicaState:
     redis_ok: bool = False
     queue_length: int = 0  # entries in the stream not yet delivered to any replica
     engine_error: str | None = None
+    roofs: dict | None = None  # the machine's measured roofs (engine/roofline.py Roofs.to_dict), for the heartbeat
 
     @property
     def keys(self):

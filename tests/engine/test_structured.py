@@ -12,6 +12,7 @@ import xgrammar as xgr
 
 from engine_service.engine.llm import LLM
 from engine_service.engine.llm_engine import LLMEngine
+from engine_service.engine.proposers import Proposal
 from engine_service.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from engine_service.engine.structured import StructuredDecoding, build_grammar, masks
 
@@ -174,10 +175,10 @@ def test_drafts_the_grammar_refuses_are_cut_when_proposed(tiny_llama_dir):
     engine.step()  # the prefill and the first (digit) token
     (seq,) = engine.requests["s"].seqs
     encode = lambda text: engine.tokenizer.encode(text, add_special_tokens=False)
-    engine.spec._attach(seq, encode("abc"))
+    engine.spec._attach(seq, Proposal(encode("abc"), None))
     assert seq.num_draft_tokens == 0
     digits, letters = encode("12"), encode("x")
-    engine.spec._attach(seq, digits + letters + digits)
+    engine.spec._attach(seq, Proposal(digits + letters + digits, None))
     assert seq.num_draft_tokens == len(digits) and seq.token_ids[-len(digits):] == digits
 
 

@@ -27,6 +27,14 @@ def set_number(page, elem_id: str, value) -> None:
     box.press("Tab")
 
 
+def open_playground(page, url: str, prompt: str) -> None:
+    """Open the page once its replica shows, with a plain (no chat template) prompt."""
+    page.goto(url)
+    expect(page.locator("#dl-service")).to_contain_text("1 replica", timeout=10_000)
+    page.locator("#prompt textarea").fill(prompt)
+    page.locator("#chat input[type=checkbox]").uncheck()
+
+
 def wait_columns_final(page, timeout_ms: int) -> dict[str, str]:
     page.wait_for_function(
         """([modes, final]) => modes.every(m => {

@@ -7,7 +7,7 @@ import re
 import pytest
 from playwright.sync_api import expect
 
-from tests.web.test_browser import MODES, set_number, wait_columns_final
+from tests.web.test_browser import MODES, open_playground, set_number, wait_columns_final
 from tests.web.test_browser import pytestmark as needs_chromium
 from web.modes import InputError, Settings, build_request
 
@@ -74,10 +74,7 @@ def _run(page, kind: str, text: str, max_tokens: int) -> None:
 
 
 def _open(page, url: str) -> None:
-    page.goto(url)
-    expect(page.locator("#dl-service")).to_contain_text("1 replica", timeout=10_000)
-    page.locator("#prompt textarea").fill("The answer is")
-    page.locator("#chat input[type=checkbox]").uncheck()
+    open_playground(page, url, "The answer is")
 
 
 @needs_chromium
