@@ -63,11 +63,13 @@ def hf_continuous(model, work: Workload, max_batch_tokens: int = 2048, max_memor
     return {"seconds": elapsed, "tok_per_s": generated / elapsed, "generated_tokens": generated}
 
 
-def run_hf_baselines(model, work: Workload, batch_size: int, label: str = "") -> dict:
-    """Both baselines; one that breaks (a transformers change) is recorded as an error, not fatal."""
+def run_hf_baselines(model, work: Workload, batch_size: int, label: str = "",
+                     which: tuple[str, ...] = ("hf_static", "hf_continuous")) -> dict:
+    """The baselines named in `which`; one that breaks (a transformers change) is recorded as an error, not fatal."""
     out = {}
-    for key, fn in (("hf_static", lambda: hf_static(model, work, batch_size)),
-                    ("hf_continuous", lambda: hf_continuous(model, work))):
+    runs = {"hf_static": lambda: hf_static(model, work, batch_size),
+            "hf_continuous": lambda: hf_continuous(model, work)}
+    for key, fn in ((k, runs[k]) for k in which):
         try:
             out[key] = fn()
             print(f"{label}{key}: {out[key]['tok_per_s']:.1f} tok/s", flush=True)

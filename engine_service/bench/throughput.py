@@ -19,6 +19,9 @@ def add_parser(bench_sub, add_engine_args) -> None:
     p.add_argument("--num-requests", type=int, default=128)
     p.add_argument("--hf-batch-size", type=int, default=32)
     p.add_argument("--skip-hf", action="store_true", help="only measure our engine")
+    p.add_argument("--hf-baselines", default="static,continuous",
+                   help="which HF baselines: static (generate in static batches, the target's), continuous "
+                        "(generate_batch, ~15 min on 2 cores), or both")
     p.add_argument("--skip-llamacpp", action="store_true", help="no llama.cpp single-stream anchor")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results")
@@ -166,11 +169,12 @@ def run(args) -> int:
 
         del llm  # give the memory back before HF loads its copy
         hf = load_hf(resolve_model(args.model))
-        res.update(run_hf_baselines(hf, work, args.hf_batch_size))
+        which = tuple(f"hf_{name.strip()}" for name in args.hf_baselines.split(",") if name.strip())
+        res.update(run_hf_baselines(hf, work, args.hf_batch_size, which=which))
         ours = res["ours"]["tok_per_s"]
         res["ratios"] = {f"vs_{k}": ours / res[k]["tok_per_s"] for k in ("hf_static", "hf_continuous")
-                         if "tok_per_s" in res[k]}
-        if "useful_fraction" in res["hf_static"]:
+                         if "tok_per_s" in res.get(k, {})}
+        if "useful_fraction" in res.get("hf_static", {}):
             res["ratios"]["vs_hf_static_ideal"] = 1 / res["hf_static"]["useful_fraction"]
     path = write_results("throughput", res, args.out)
     plot(res, path.with_suffix(".png"))
