@@ -20,6 +20,7 @@ from web.session import Service  # noqa: E402
 
 CSS_PATH = Path(__file__).with_name("style.css")
 JS_PATH = Path(__file__).with_name("branching.js")  # click a token: its alternatives, pick one to branch
+TIPS_PATH = Path(__file__).with_name("tips.js")  # hover a token: its card, built from data-tip on demand
 # the shading is the stylesheet's choice (style.css): no round trip, no re-render
 SHADE_JS = "(v) => { document.documentElement.dataset.shade = v; return []; }"
 DEFAULTS = Settings()
@@ -187,8 +188,13 @@ def build_app(service: Service) -> gr.Blocks:
     return demo
 
 
+def page_js() -> str:
+    """The page's scripts as the one function Gradio runs on load."""
+    return f"() => {{ ({JS_PATH.read_text()})(); ({TIPS_PATH.read_text()})(); }}"
+
+
 def launch(demo: gr.Blocks, host: str, port: int, **kw):
     demo.queue(default_concurrency_limit=None, max_size=256)
     return demo.launch(server_name=host, server_port=port, theme=theme(), css_paths=[CSS_PATH], ssr_mode=False,
-                       js=JS_PATH.read_text(), show_error=True, quiet=kw.pop("quiet", False), **kw)
+                       js=page_js(), show_error=True, quiet=kw.pop("quiet", False), **kw)
 

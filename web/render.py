@@ -3,7 +3,8 @@ and the column's branch tree.
 
 Tokens of the main text carry what the click-to-branch script (web/branching.js) needs: `data-pos` (position in
 the branch's full token list) and `data-alts` (the alternatives as JSON); the column carries `data-mode` and
-`data-branch`. Each token also carries its shadings, `--u` (1 - p), `--h` (entropy / ENTROPY_SCALE) and, under a
+`data-branch`. A token's hover card rides in its `data-tip` attribute (web/tips.js makes the element on hover).
+Each token also carries its shadings, `--u` (1 - p), `--h` (entropy / ENTROPY_SCALE) and, under a
 grammar, `--k` (the probability it masked): the "Shade tokens by" toggle only switches which one the stylesheet
 uses, so it needs no re-render.
 """
@@ -107,8 +108,11 @@ def _token(t: Token, pos: int | None = None, extra: str = "") -> str:
         alts = [[tid, text, None if lp is None else round(math.exp(lp), 4)] for tid, text, lp in t.top[:5]]
         attrs += f' data-pos="{pos}" data-alts="{escape(json.dumps(alts))}"'
     body = escape(t.text).replace("\n", '<span class="nl">↵</span><br>')
-    tip = _tip(t) if (t.top or t.mark or t.logprob is not None) else ""
-    return f'<span class="{cls}{extra}"{attrs}>{body}{tip}</span>'
+    if t.top or t.mark or t.logprob is not None:
+        # the hover card as an attribute: web/tips.js makes it an element on hover. A streamed column re-renders
+        # every token each frame, and ~10 card elements per token made most of the browser's work
+        attrs += f' data-tip="{escape(_tip(t))}"'
+    return f'<span class="{cls}{extra}"{attrs}>{body}</span>'
 
 
 def tokens_html(out: Output) -> str:

@@ -3,7 +3,8 @@
 1. browser: the stack `decodelab play` starts (private Redis, one replica, the web UI), a headless Chromium on the
    page; the example prompt, the four columns at their defaults, Run. Per column, what the page shows: time from
    the click to the column's first token on screen (TTFT), then to the column's end, per token after the first
-   (TPOT); the run's wall time, click to the last column done.
+   (TPOT); the run's wall time, click to the last column done; and the CPU seconds each process spent on the run
+   (the engine replica, the web UI, Chromium's processes; psutil), the web's also per token on screen.
 2. api: the same four requests (web/modes.py builds them) through the replica's OpenAI API, concurrently, streaming,
    no browser: TTFT and TPOT per request as the HTTP client sees them.
 3. in-process: the same four requests in one LLMEngine, timed around engine.step() as the API path is timed.
@@ -80,6 +81,9 @@ def _requests(args) -> dict:
 def _summary(runs: list[dict]) -> dict:
     """Per mode: median TTFT / TPOT (ms) and tokens over the runs; the run's median wall time."""
     out = {"wall_s": median([r["wall_s"] for r in runs]), "runs": runs, "modes": {}}
+    if runs and "cpu_s" in runs[0]:  # the browser path: CPU seconds per process group, medians
+        out["cpu_s"] = {k: median([r["cpu_s"][k] for r in runs]) for k in runs[0]["cpu_s"]}
+        out["web_cpu_ms_per_token"] = median([r["web_cpu_ms_per_token"] for r in runs])
     for m in MODES:
         got = [r["modes"][m] for r in runs if m in r["modes"]]
         out["modes"][m] = {k: median([g[k] for g in got if g.get(k) is not None] or [float("nan")])
@@ -108,7 +112,30 @@ def _stack(args):
     return stack, engine_url, web_url
 
 
-def _browser_runs(args, web_url: str) -> list[dict]:
+def _cpu_seconds(pids: dict[str, list[int]]) -> dict[str, float]:
+    """user + system CPU seconds so far, per named group of processes (gone ones count 0)."""
+    import psutil
+
+    out = {}
+    for name, group in pids.items():
+        total = 0.0
+        for pid in group:
+            try:
+                t = psutil.Process(pid).cpu_times()
+                total += t.user + t.system
+            except psutil.Error:
+                pass
+        out[name] = total
+    return out
+
+
+def _chromium_pids(profile: str) -> list[int]:
+    import psutil
+
+    return [p.pid for p in psutil.process_iter(["cmdline"]) if any(profile in a for a in p.info["cmdline"] or [])]
+
+
+def _browser_runs(args, web_url: str, server_pids: dict[str, list[int]]) -> list[dict]:
     from playwright.sync_api import sync_playwright
 
     runs = []
@@ -123,13 +150,16 @@ def _browser_runs(args, web_url: str) -> list[dict]:
         box = page.locator("#max-tokens input[type=number]")
         box.fill(str(args.max_tokens))
         box.press("Tab")
+        pids = {**server_pids, "chromium": _chromium_pids(profile)}
         for i in range(args.repeats + 1):  # the first run warms the replica up and is not counted
             page.evaluate(WATCH_JS, [list(MODES), list(FINAL)])
+            cpu0 = _cpu_seconds(pids)
             page.locator("#run").click()
             # polled on a timer: requestAnimationFrame callbacks may not run in a headless page
             page.wait_for_function("(modes) => modes.every(m => m in window.__dl.done)", arg=list(MODES),
                                    polling=200, timeout=600_000)
             t = page.evaluate("window.__dl")
+            cpu = {k: v - cpu0[k] for k, v in _cpu_seconds(pids).items()}
             if i == 0:
                 continue
             modes = {}
@@ -138,9 +168,12 @@ def _browser_runs(args, web_url: str) -> list[dict]:
                 modes[m] = {"status": t["status"][m], "tokens": n,
                             "ttft_ms": first - t["t0"] if first is not None else None,
                             "tpot_ms": (done - first) / (n - 1) if first is not None and n > 1 else None}
-            runs.append({"wall_s": (max(t["done"].values()) - t["t0"]) / 1e3, "modes": modes})
+            shown = sum(modes[m]["tokens"] for m in MODES)  # the four main texts' tokens on screen
+            runs.append({"wall_s": (max(t["done"].values()) - t["t0"]) / 1e3, "modes": modes, "cpu_s": cpu,
+                         "web_cpu_ms_per_token": cpu["web"] * 1e3 / max(1, shown)})
             print(f"browser run {i}: wall {runs[-1]['wall_s']:.2f} s  " + "  ".join(
-                f"{m} tpot {modes[m]['tpot_ms'] or float('nan'):.0f} ms" for m in MODES), flush=True)
+                f"{m} tpot {modes[m]['tpot_ms'] or float('nan'):.0f} ms" for m in MODES) + "  cpu s " + "  ".join(
+                f"{k} {v:.2f}" for k, v in cpu.items()), flush=True)
         ctx.close()
     return runs
 
@@ -236,7 +269,8 @@ def run(args: argparse.Namespace) -> int:
         stack, engine_url, web_url = _stack(args)
         try:
             if "browser" in paths:
-                results["paths"]["browser"] = _summary(_browser_runs(args, web_url))
+                pids = {name: [proc.pid] for name, proc in stack.procs}
+                results["paths"]["browser"] = _summary(_browser_runs(args, web_url, pids))
             if "api" in paths:
                 runs = [asyncio.run(_api_once(engine_url, requests)) for _ in range(args.repeats + 1)][1:]
                 results["paths"]["api"] = _summary(runs)
@@ -254,6 +288,9 @@ def run(args: argparse.Namespace) -> int:
     for name, res in results["paths"].items():
         print(f"{name:>10}: wall {res['wall_s']:.2f} s  " + "  ".join(
             f"{m} TTFT {v['ttft_ms']:.0f} / TPOT {v['tpot_ms']:.0f} ms" for m, v in res["modes"].items()))
+        if "cpu_s" in res:
+            print(f"{'':>10}  CPU s per run: " + ", ".join(f"{k} {v:.2f}" for k, v in res["cpu_s"].items())
+                  + f"; web {res['web_cpu_ms_per_token']:.1f} ms per token on screen")
     print(f"wrote {path} ({results['cpu']['label']})")
     return 0
 

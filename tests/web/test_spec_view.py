@@ -42,9 +42,8 @@ def test_while_streaming_the_bars_count_the_checks_and_say_they_are_estimates():
     assert col.tokens_per_step() == 7 / 3  # three target forwards: the target token, the resampled, the bonus
     html = column_html(col, spec_k=K)
     assert 'data-exact="false"' in html and "≈ while streaming" in html
-    assert html.count('class="dc"') == 5 and "residual max(0, p − q)" in html  # one card per checked token
-
-
+    # one card per checked token, in the tokens' data-tip (web/tips.js makes the element on hover)
+    assert html.count('class=&quot;dc&quot;') == 5 and "residual max(0, p − q)" in html
 
 
 @pytest.fixture(scope="module")
