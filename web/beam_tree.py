@@ -137,23 +137,33 @@ def beam_tree_html(tree: BeamTree, color: str = "#7c3aed", max_label: int = 5) -
         c, r = pos[nid]
         return PAD + c * DX + 4, PAD + r * DY + 4
 
-    edges, dots = [], []
+    # one <path> per edge state and one for every pruned node: a column re-renders its tree every frame, and the
+    # browser's cost grows with elements; the nodes still alive keep an element each, with a hover title
+    edges: dict[str, list[str]] = {"on": [], "live": [], "dead": []}
+    dead, dots = [], []
     for n in tree.nodes.values():
         x, y = xy(n.id)
         state = "on" if n.id in bold else "live" if n.id in alive else "dead"
         if n.parent is not None:
             px, py = xy(n.parent)
-            edges.append(f'<path class="be {state}" d="M{px:.0f},{py:.0f} C{px + DX / 2:.0f},{py:.0f} '
-                         f'{x - DX / 2:.0f},{y:.0f} {x:.0f},{y:.0f}"/>')
+            edges[state].append(f"M{px:.0f},{py:.0f}C{px + DX / 2:.0f},{py:.0f} {x - DX / 2:.0f},{y:.0f} "
+                                f"{x:.0f},{y:.0f}")
+        if state == "dead":
+            dead.append(f"M{x - 3:.0f},{y:.0f}a3,3 0 1,0 6,0a3,3 0 1,0 -6,0")
+            continue
         shape = (f'<rect x="{x - 4:.0f}" y="{y - 4:.0f}" width="8" height="8"/>' if n.kind == "finish"
                  else f'<circle cx="{x:.0f}" cy="{y:.0f}" r="{4 if n.kind == "root" else 3.2}"/>')
         label = ""
-        if n.kind != "root" and n.id in alive:
+        if n.kind != "root":
             label = f'<text x="{x + 5:.0f}" y="{y - 4:.0f}">{escape(_visible(n.token)[:max_label])}</text>'
         dots.append(f'<g class="bn {n.kind} {state}" data-node="{n.id}"><title>{_title(n, pos)}</title>'
                     f'{shape}{label}</g>')
+    paths = "".join(f'<path class="be {state}" d="{"".join(d)}"/>' for state, d in edges.items() if d)
+    if dead:
+        paths += f'<path class="bd" d="{"".join(dead)}"><title>pruned: no longer leads to a live beam or a kept ' \
+                 f'hypothesis</title></path>'
     svg = (f'<svg class="bt" width="{width}" height="{height}" viewBox="0 0 {width} {height}" style="--mode:{color}" '
-           f'role="img" aria-label="beam search tree">{"".join(edges)}{"".join(dots)}</svg>')
+           f'role="img" aria-label="beam search tree">{paths}{"".join(dots)}</svg>')
     counts = {"fork": 0, "finish": 0, "pruned": 0}
     for n in tree.nodes.values():
         if n.kind != "root":

@@ -55,11 +55,14 @@ def test_the_best_path_spells_the_best_hypothesis(tree_and_outputs):
 def test_the_svg_marks_finished_pruned_and_the_best_path(tree_and_outputs):
     tree, _, _ = tree_and_outputs
     html = beam_tree_html(tree)
-    assert html.count('class="bn finish') == sum(n.kind == "finish" for n in tree.nodes.values())
-    assert html.count("<g class=\"bn") == len(tree.nodes)
+    alive = tree.alive()
+    kept = [n for n in tree.nodes.values() if n.kind == "finish" and n.id in alive]
+    assert html.count('class="bn finish') == len(kept)
+    assert html.count("<g class=\"bn") == len(alive)  # an element per node still alive
+    assert html.count("a3,3 0 1,0 6,0") == len(tree.nodes) - len(alive)  # the pruned ones: one path of dots
     bold = tree.path(tree.best())
-    assert html.count('class="be on"') == len(bold) - 1  # one edge into each bold node but the root
-    assert 'class="bn fork dead"' in html
+    on = re.search(r'<path class="be on" d="([^"]*)"', html).group(1)
+    assert on.count("M") == len(bold) - 1  # one edge into each bold node but the root
     assert re.search(r"\d+ live beams hold \d+ block-table entries in \d+ distinct KV blocks", html) or tree.steps < 2
 
 
@@ -86,10 +89,10 @@ def test_the_beam_column_draws_its_tree_and_a_grammar_shows_the_masked_mass(tiny
     assert status["beam"] == "done", status
     svg = page.locator("#out-beam svg.bt")
     expect(svg).to_be_visible()
-    nodes = svg.locator("g.bn")
-    assert nodes.count() > 8  # the prompt, 8 steps of up to W beams, finished hypotheses
+    assert svg.locator("g.bn").count() > 8  # the prompt and the best path's 8 tokens at least, alive
     assert svg.locator("g.bn.finish").count() >= 1
-    assert svg.locator("path.be.on").count() >= 8  # the best path, one edge per generated token
+    assert svg.locator("path.be.on").get_attribute("d").count("M") >= 8  # the best path, an edge per token
+    assert svg.locator("path.bd").count() <= 1  # the pruned nodes, if any, as one path
     expect(page.locator("#out-beam .sect").filter(has_text="Beam tree")).to_contain_text("finished")
     title = svg.locator("g.bn.fork title").first.text_content()
     assert "logprob" in title and "KV blocks" in title
