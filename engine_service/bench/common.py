@@ -83,6 +83,24 @@ def write_results(name: str, results: dict, out_dir: str | Path) -> Path:
     return path
 
 
+def write_with_plot(name: str, results: dict, out_dir: str | Path, plot) -> Path:
+    """`name`.json and, from `plot(results, png_path)`, `name`.png beside it; says where."""
+    path = write_results(name, results, out_dir)
+    plot(results, path.with_suffix(".png"))
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+    return path
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend: benchmarks write PNG files and never open a window."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def median(xs: list[float]) -> float:
     xs = sorted(xs)
     n = len(xs)

@@ -1,4 +1,5 @@
 """The text summary and the 2x2 figure of `decodelab bench gpu` (reads only the results dict)."""
+from engine_service.bench.common import pyplot
 
 
 def summary(res: dict) -> str:
@@ -44,10 +45,7 @@ def summary(res: dict) -> str:
 
 
 def plot(res: dict, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ((a, b), (c, d)) = plt.subplots(2, 2, figsize=(13, 9))
     tp = res["throughput"]

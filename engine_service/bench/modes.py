@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from engine_service.bench.common import write_results
+from engine_service.bench.common import pyplot, write_with_plot
 from engine_service.engine.sampling_params import SamplingParams
 from engine_service.engine.utils import cdiv
 
@@ -148,17 +148,12 @@ def run(args) -> int:
     if args.pair == "auto":
         del llm, engine  # give the memory back before the 1.5B + 0.5B pair loads
         res["draft_pair"] = run_pair(args)
-    path = write_results("modes", res, args.out)
-    plot(res, path.with_suffix(".png"))
-    print(f"wrote {path} and {path.with_suffix('.png')}")
+    write_with_plot("modes", res, args.out, plot)
     return 0
 
 
 def plot(res: dict, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = list(res["modes"])
     modes = [res["modes"][n] for n in names]

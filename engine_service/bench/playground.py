@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 
-from engine_service.bench.common import cpu_info, median, write_results
+from engine_service.bench.common import cpu_info, median, pyplot, write_results
 
 PROMPT = "Why is the sky blue?"
 MODES = ("greedy", "beam", "sample", "speculative")
@@ -296,10 +296,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _plot(results: dict, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     paths = list(results["paths"])
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw={"width_ratios": [3, 1]})

@@ -30,7 +30,7 @@ import sys
 import time
 from dataclasses import dataclass, fields, replace
 
-from engine_service.bench.common import cpu_info, median, write_results
+from engine_service.bench.common import cpu_info, median, pyplot, write_with_plot
 from engine_service.engine.config import EngineConfig
 from engine_service.engine.sampling_params import SamplingParams
 
@@ -206,17 +206,12 @@ def run(args) -> int:
     res = {"model": args.model, "dtype": base.dtype, "threads": args.threads or torch.get_num_threads(),
            "cpu": cpu_info()}
     res |= measure(base, held_out_text(), args.text_tokens, args.chunk_tokens, args.num_prompts, args.new_tokens)
-    path = write_results("quality", res, args.out)
-    plot(res, path.with_suffix(".png"))
-    print(f"wrote {path} and {path.with_suffix('.png')}")
+    write_with_plot("quality", res, args.out, plot)
     return 0
 
 
 def plot(res: dict, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = {k: v for k, v in res["variants"].items() if "ppl" in v}
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5))

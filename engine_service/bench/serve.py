@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine_service.bench.common import cpu_info, percentiles_ms, scrape_metrics, write_results
+from engine_service.bench.common import cpu_info, percentiles_ms, pyplot, scrape_metrics, write_results
 from engine_service.engine.sampling_params import SamplingParams
 
 
@@ -153,10 +153,7 @@ async def through_redis(url: str, keys, args, prompts: list[list[int]], arrivals
 
 
 def plot(results: dict, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     runs = [r for r in results["runs"] if not math.isinf(r["rate"])]
     rates = [r["rate"] for r in runs]

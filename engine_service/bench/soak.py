@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from engine_service.bench.common import percentiles_ms, scrape_metrics, write_results
+from engine_service.bench.common import percentiles_ms, pyplot, scrape_metrics, write_results
 
 
 def add_parser(bench_sub, add_engine_args) -> None:
@@ -188,10 +188,7 @@ def growth_summary(samples: list[dict], warmup: float) -> dict:
 
 
 def plot(results: dict, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     s = results["samples"]
     t = [x["t_s"] / 60 for x in s]

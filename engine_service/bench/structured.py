@@ -19,7 +19,7 @@ from contextlib import contextmanager
 
 import torch
 
-from engine_service.bench.common import median, write_results
+from engine_service.bench.common import median, pyplot, write_with_plot
 from engine_service.engine import llm_engine, sampler
 from engine_service.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from engine_service.engine.structured import GrammarState
@@ -135,17 +135,12 @@ def run(args) -> int:
             f"  mask {r['mask_ms']:.2f} ms (fill {r['fill_ms']:.2f}, apply {r['apply_ms']:.2f}, accept "
             f"{r['accept_ms']:.2f}) = {100 * r['mask_fraction']:.1f}% of a step")
         print(f"{name:>16}: {r['step_ms']:7.2f} ms/step (batch {r['mean_batch']:.1f}){extra}", flush=True)
-    path = write_results("structured", res, args.out)
-    plot(res, path.with_suffix(".png"))
-    print(f"wrote {path} and {path.with_suffix('.png')}")
+    write_with_plot("structured", res, args.out, plot)
     return 0
 
 
 def plot(res: dict, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = list(res["runs"])
     runs = [res["runs"][n] for n in names]

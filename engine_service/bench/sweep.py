@@ -13,7 +13,7 @@ import random
 import time
 from collections import Counter
 
-from engine_service.bench.common import percentiles_ms
+from engine_service.bench.common import percentiles_ms, pyplot
 
 
 async def http_burst(api_url: str, model: str, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -117,10 +117,7 @@ def sweep(engine, api_url: str, model: str, levels: list[int], prompt_len: int, 
 
 
 def plot_sweep(levels: list[dict], path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     cs = [lv["concurrency"] for lv in levels]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))

@@ -8,7 +8,15 @@ import time
 import torch
 
 from engine_service.bench import llamacpp
-from engine_service.bench.common import cpu_info, matmul_peak_gflops, median, mixed_workload, write_results
+from engine_service.bench.common import (
+    cpu_info,
+    matmul_peak_gflops,
+    median,
+    mixed_workload,
+    pyplot,
+    write_results,
+    write_with_plot,
+)
 from engine_service.engine.models.loader import head_dim as hf_head_dim
 from engine_service.engine.sampling_params import SamplingParams
 
@@ -176,17 +184,12 @@ def run(args) -> int:
                          if "tok_per_s" in res.get(k, {})}
         if "useful_fraction" in res.get("hf_static", {}):
             res["ratios"]["vs_hf_static_ideal"] = 1 / res["hf_static"]["useful_fraction"]
-    path = write_results("throughput", res, args.out)
-    plot(res, path.with_suffix(".png"))
-    print(f"wrote {path} and {path.with_suffix('.png')}")
+    write_with_plot("throughput", res, args.out, plot)
     return 0
 
 
 def plot(res: dict, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(16, 4))
     runs = [("DecodeLab", "ours", "tab:green"), ("HF generate\n(static batches)", "hf_static", "tab:gray"),
