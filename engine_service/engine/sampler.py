@@ -219,17 +219,16 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
     if rows:  # noise for those rows only: 49k exponentials cost ~1 ms a row on a slow CPU core
         probs = processed[rows].softmax(dim=1)
         gens = [b.generators[r] for r in rows]
-        noise = torch.empty_like(probs)
         unseeded = [i for i, gen in enumerate(gens) if gen is None]
         if len(unseeded) == len(rows):
-            noise.exponential_()
-        elif unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], dtype=probs.dtype,
-                                          device=probs.device).exponential_()
+            noise = exponential(probs.shape, None, probs.device).to(probs.dtype)
+        else:
+            noise = torch.empty_like(probs)
+            if unseeded:
+                noise[unseeded] = exponential((len(unseeded), probs.shape[1]), None, probs.device).to(probs.dtype)
         for i, gen in enumerate(gens):
             if gen is not None:  # drawn where the generator lives: a seed gives the same noise on any device
-                noise[i] = torch.empty(probs.shape[1], dtype=probs.dtype, device=gen.device).exponential_(
-                    generator=gen)
+                noise[i] = exponential((probs.shape[1],), gen, gen.device).to(probs.dtype)
         tokens[rows] = (probs / noise).argmax(dim=1)
     chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
     top_ids = top_lp = None
@@ -250,4 +249,12 @@ def position_noise(seed: int, position: int, size: int) -> torch.Tensor:
     at `position` the same way however the steps around it were cut (speculative decoding, spec_decode)."""
     key = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
     gen = torch.Generator().manual_seed(int.from_bytes(key, "little") >> 1)
-    return torch.empty(size).exponential_(generator=gen)
+    return exponential((size,), gen).float()
+
+
+def exponential(shape: tuple[int, ...], generator: torch.Generator | None = None,
+                device: torch.device | str | None = None) -> torch.Tensor:
+    """Exp(1) noise (float64) as -log(U), U uniform on [0, 1) with 53 random bits: exactly the exponential
+    distribution (U = 0 gives +inf noise, a token that cannot win the race), at ~1/3 of the cost of
+    Tensor.exponential_, whose per-element CPU path took ~1 ms per 49k-token row on this 2-core CPU."""
+    return torch.rand(shape, generator=generator, dtype=torch.float64, device=device).log_().neg_()
