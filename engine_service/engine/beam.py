@@ -66,6 +66,7 @@ class BeamSearch:
         self.pending.clear()
         # with logprobs, each beam's row entropy (what its children's tokens were drawn from): one pass, W rows
         nats = entropy(raw).tolist() if self.num_logprobs is not None else [None] * len(beams)
+        tops = self._tops(raw)
         vocab = processed.shape[1]
         total = (processed + self.scores[:, None]).view(-1)
         top, flat = total.topk(min(self.num_candidates, total.numel()))
@@ -82,7 +83,7 @@ class BeamSearch:
             if stops[i]:
                 b = parents[i]
                 self._add_finished(beams[b], tokens[i], raw[b], float(penalised[i]), nats[b], masked[b],
-                                   parent_nodes[b], step)
+                                   parent_nodes[b], step, tops[b])
         keep = [i for i in range(len(tokens)) if not stops[i]][:self.width]
         children: dict[int, list[int]] = {}
         for i in keep:
@@ -92,9 +93,9 @@ class BeamSearch:
             kids = children.get(b, [])
             for i in kids[1:]:  # fork before the parent moves on: the children share its blocks
                 new[i] = fork(seq)
-                self._extend(new[i], tokens[i], raw[b], nats[b], masked[b])
+                self._extend(new[i], tokens[i], raw[b], nats[b], masked[b], tops[b])
             if kids:
-                self._extend(seq, tokens[kids[0]], raw[b], nats[b], masked[b])
+                self._extend(seq, tokens[kids[0]], raw[b], nats[b], masked[b], tops[b])
                 new[kids[0]] = seq
             else:
                 self._event("prune", step, parent_nodes[b])
@@ -142,29 +143,29 @@ class BeamSearch:
         best = self.scores[0] / length ** self.length_penalty
         return not bool(best > self.finished[-1].score)
 
-    def _extend(self, seq: Sequence, token: int, raw: torch.Tensor, nats: float | None,
-                masked: float | None) -> None:
+    def _extend(self, seq: Sequence, token: int, raw: torch.Tensor, nats: float | None, masked: float | None,
+                top: dict[int, float]) -> None:
         seq.token_ids.append(token)
         seq.cumulative_logprob += float(raw[token])
         if self.num_logprobs is not None:
-            seq.logprobs.append(self._logprob_entry(raw, token))
+            seq.logprobs.append({**top, token: float(raw[token])})
             seq.entropies.append(nats)
             if seq.grammar is not None:
                 seq.masked.append(masked)
 
-    def _logprob_entry(self, raw: torch.Tensor, token: int) -> dict[int, float]:
-        entry = {}
-        if self.num_logprobs:
-            values, ids = raw.topk(self.num_logprobs)
-            entry = dict(zip(ids.tolist(), values.tolist()))
-        entry[token] = float(raw[token])
-        return entry
+    def _tops(self, raw: torch.Tensor) -> list[dict[int, float]]:
+        """Per beam row of raw log-probs, its top num_logprobs {id: log-prob}: one topk for all the rows (the
+        children of a beam share their parent's)."""
+        if not self.num_logprobs:
+            return [{} for _ in range(raw.shape[0])]
+        values, ids = raw.topk(self.num_logprobs, dim=-1)
+        return [dict(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
 
     def _add_finished(self, parent: Sequence, token: int, raw: torch.Tensor, score: float, nats: float | None,
-                      masked: float | None, parent_node: int, step: int) -> None:
+                      masked: float | None, parent_node: int, step: int, top: dict[int, float]) -> None:
         logprobs = entropies = masks = None
         if self.num_logprobs is not None:
-            logprobs = parent.logprobs + [self._logprob_entry(raw, token)]
+            logprobs = parent.logprobs + [{**top, token: float(raw[token])}]
             entropies = parent.entropies + [nats]
             masks = parent.masked + [masked] if parent.grammar is not None else None
         hyp = Hypothesis(parent.output_token_ids + [token], parent.cumulative_logprob + float(raw[token]), score,

@@ -187,11 +187,11 @@ class LLMEngine:
             seq.draft_probs = None  # the checks hold what they need of q: free the [k, vocab] rows
             self.block_manager.truncate(seq, seq.num_tokens + len(v.tokens) - 1)  # KV of the accepted drafts stays
             p = seq.request.params
-            for token, mark, row, check, masked in zip(v.tokens, v.marks, v.logprobs, v.checks, v.masked):
-                top = None
-                if p.logprobs:
-                    values, ids = row.topk(p.logprobs)
-                    top = dict(zip(ids.tolist(), values.tolist()))
+            tops = [None] * len(v.tokens)
+            if p.logprobs:  # one topk for the step's rows
+                values, ids = v.logprobs.topk(p.logprobs, dim=-1)
+                tops = [dict(zip(i, x)) for i, x in zip(ids.tolist(), values.tolist())]
+            for token, mark, row, check, masked, top in zip(v.tokens, v.marks, v.logprobs, v.checks, v.masked, tops):
                 seq.spec_marks.append(mark)
                 seq.draft_checks.append(check)
                 ent = float(entropy(row)) if p.logprobs is not None else None
