@@ -43,6 +43,9 @@ class Control:
                 if pubsub is None:
                     pubsub = s.redis.pubsub(ignore_subscribe_messages=True)
                     pubsub.subscribe(s.keys.cancel_channel)
+                    # Redis confirms the SUBSCRIBE in order: from here every cancel published reaches us
+                    pubsub.get_message(timeout=2.0, ignore_subscribe_messages=False)
+                    s.listening.set()
                 msg = pubsub.get_message(timeout=0.1)
                 if msg and msg["type"] == "message" and (job := s.jobs.get(msg["data"])) is not None:
                     job.cancelled = True

@@ -55,12 +55,22 @@ class Replica:
     def jobs(self):
         return self.state.jobs
 
-    def start(self) -> Replica:
+    def start(self, listen_timeout: float = 5.0) -> Replica:
+        """The threads; intake last, once the control thread listens for cancels (or after `listen_timeout`, when
+        Redis is down: intake waits for it too): a cancel published while the first request is picked up, after
+        its cancel mark was read, would otherwise reach no one."""
         for name, role in self.roles.items():
-            t = threading.Thread(target=role.run, name=f"replica-{name}", daemon=True)
-            t.start()
-            self._threads.append(t)
+            if name == "intake":
+                continue
+            self._spawn(name, role)
+        self.state.listening.wait(listen_timeout)
+        self._spawn("intake", self.roles["intake"])
         return self
+
+    def _spawn(self, name: str, role) -> None:
+        t = threading.Thread(target=role.run, name=f"replica-{name}", daemon=True)
+        t.start()
+        self._threads.append(t)
 
     def drain(self, timeout: float) -> bool:
         """Stop pulling and let running requests finish (True if all did within timeout)."""

@@ -33,6 +33,8 @@ class ReplicaState:
     outbox: queue.Queue[OutboxItem] = field(default_factory=queue.Queue)  # -> publisher thread
     stop: threading.Event = field(default_factory=threading.Event)
     pulling: threading.Event = field(default_factory=threading.Event)
+    # set once the control thread's SUBSCRIBE to the cancel channel is confirmed (Replica.start waits for it)
+    listening: threading.Event = field(default_factory=threading.Event)
     max_batch: int = 0
     redis_ok: bool = False
     queue_length: int = 0  # entries in the stream not yet delivered to any replica
