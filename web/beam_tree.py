@@ -106,12 +106,11 @@ def _visible(text: str) -> str:
     return text.replace("\n", "↵").replace("\t", "⇥").replace(" ", "·") or "∅"
 
 
-def _title(n: Node, pos: dict[int, tuple[int, int]]) -> str:
+def _title(n: Node) -> str:
+    """A node's hover text; only nodes still alive get one (the pruned are drawn as one path)."""
     if n.kind == "root":
         return "the prompt"
     what = {"fork": "live beam", "finish": "finished hypothesis"}[n.kind]
-    if n.pruned:
-        what = "pruned " + ("beam" if n.kind == "fork" else "hypothesis (pushed out of the best W)")
     lines = [f"{_visible(n.token)} · {what} after token {n.step + 1}"]
     if n.logprob is not None:
         lines.append(f"logprob {n.logprob:.3f}")
@@ -156,7 +155,7 @@ def beam_tree_html(tree: BeamTree, color: str = "#7c3aed", max_label: int = 5) -
         label = ""
         if n.kind != "root":
             label = f'<text x="{x + 5:.0f}" y="{y - 4:.0f}">{escape(_visible(n.token)[:max_label])}</text>'
-        dots.append(f'<g class="bn {n.kind} {state}" data-node="{n.id}"><title>{_title(n, pos)}</title>'
+        dots.append(f'<g class="bn {n.kind} {state}" data-node="{n.id}"><title>{_title(n)}</title>'
                     f'{shape}{label}</g>')
     paths = "".join(f'<path class="be {state}" d="{"".join(d)}"/>' for state, d in edges.items() if d)
     if dead:
