@@ -163,7 +163,8 @@ class Int8Weight:
         if x.shape[0] == 0:
             return x.new_empty(0, self.out_features)
         x32 = x.float()
-        r = torch.linalg.vector_norm(x32, float("inf"), dim=1, keepdim=True).clamp_min_(1e-30)  # row max |x|
+        # row max |x|; abs().amax is the same value as vector_norm(inf) at 1/3-1/7 of its time for 8 rows
+        r = x32.abs().amax(dim=1, keepdim=True).clamp_min_(1e-30)
         out = _grid_linear(x32 / r, self.packed)
         out = out * r if self.bias is None else torch.addcmul(self.bias, out, r)
         return out if x.dtype == torch.float32 else out.to(x.dtype)
