@@ -20,7 +20,7 @@ from web.session import Service  # noqa: E402
 
 CSS_PATH = Path(__file__).with_name("style.css")
 JS_PATH = Path(__file__).with_name("branching.js")  # click a token: its alternatives, pick one to branch
-TIPS_PATH = Path(__file__).with_name("tips.js")  # hover a token: its card, built from data-tip on demand
+TIPS_PATH = Path(__file__).with_name("tips.js")  # hover a token: its card, drawn from its data-* facts on demand
 # the shading is the stylesheet's choice (style.css): no round trip, no re-render
 SHADE_JS = "(v) => { document.documentElement.dataset.shade = v; return []; }"
 DEFAULTS = Settings()

@@ -2,8 +2,10 @@
 and the column's branch tree.
 
 Tokens of the main text carry what the click-to-branch script (web/branching.js) needs: `data-pos` (position in
-the branch's full token list) and `data-alts` (the alternatives as JSON); the column carries `data-mode` and
-`data-branch`. A token's hover card rides in its `data-tip` attribute (web/tips.js makes the element on hover).
+the branch's full token list) and `data-alts` (the top alternatives as JSON [[id, text, p], ...]); the column
+carries `data-mode` and `data-branch`. A token's hover card is drawn by web/tips.js on hover from the token's
+facts: `data-alts` and `data-id`, `data-lp` (log-prob), `data-h` (entropy), `data-k` (the probability a grammar
+masked) and `data-d` (a speculative draft check, `_draft_data`); its kind of speculative token is its `m-` class.
 Each token also carries its shadings, `--u` (1 - p), `--h` (entropy / ENTROPY_SCALE) and, under a
 grammar, `--k` (the probability it masked): the "Shade tokens by" toggle only switches which one the stylesheet
 uses, so it needs no re-render.
@@ -23,11 +25,6 @@ MODE_COLORS = {"greedy": "#2563eb", "beam": "#7c3aed", "sample": "#d97706", "spe
 STATUS = {"idle": "ready", "waiting": "waiting for the shared prompt", "queued": "queued", "running": "streaming",
           "done": "done", "error": "error", "cancelled": "stopped", "invalid": "check the settings", "off": "off"}
 ENTROPY_SCALE = 5.0  # nats shaded at full strength (e^5 ~ 150 equally likely tokens)
-MARK_TITLES = {"accepted": "proposed by the draft, accepted by the target",
-               "resampled": "draft rejected: resampled by the target", "bonus": "bonus token: all k drafts accepted",
-               "target": "decoded by the target alone (no proposal)"}
-
-
 def _num(x: float | None, fmt: str, unit: str = "") -> str:
     return "–" if x is None or not math.isfinite(x) else f"{x:{fmt}}{unit}"
 
@@ -42,57 +39,17 @@ def _prob(lp: float | None) -> float | None:
     return None if lp is None else math.exp(lp)
 
 
-def _tip(t: Token) -> str:
-    p = _prob(t.logprob)
-    rows = []
-    for tid, text, lp in t.top[:5]:
-        q = _prob(lp) or 0.0
-        me = " me" if tid == t.token_id else ""
-        rows.append(f'<div class="alt{me}"><code>{escape(_visible(text))}</code>'
-                    f'<i style="width:{q * 100:.0f}%"></i><span>{q * 100:.1f}%</span></div>')
-    head = f"<b>{escape(_visible(t.text))}</b> p = {_num(p and p * 100, '.1f', '%')}"
-    if t.logprob is not None:
-        head += f" <small>(logprob {t.logprob:.2f})</small>"
-    if t.entropy is not None:
-        head += f'<div class="ent">entropy {t.entropy:.2f} nats</div>'
-    if t.masked is not None:
-        head += (f'<div class="msk" title="probability of the raw distribution on tokens the grammar forbade here">'
-                 f'grammar removed {t.masked * 100:.1f}% of the probability</div>')
-    if t.mark:
-        head += f'<div class="mk">{escape(MARK_TITLES.get(t.mark, t.mark))}</div>'
-    if t.draft is not None:
-        head += _draft_html(t.draft)
-    return f'<span class="tip">{head}{"".join(rows)}</span>'
+def _round(x: float | None, digits: int) -> float | None:
+    return None if x is None or not math.isfinite(x) else round(x, digits)
 
 
-def _pct(x: float | None) -> str:
-    return _num(None if x is None else x * 100, ".1f", "%")
-
-
-def _bar_row(text: str, prob: float, me: bool) -> str:
-    return (f'<div class="alt{" me" if me else ""}"><code>{escape(_visible(text))}</code>'
-            f'<i style="width:{prob * 100:.0f}%"></i><span>{prob * 100:.1f}%</span></div>')
-
-
-def _draft_html(d: DraftCheck) -> str:
-    """A speculative token's draft check: the draft's p and q, the textbook acceptance min(1, p/q), what the
-    verifier did, and on a rejection the target's token and the residual max(0, p - q) (shared/protocol.py)."""
-    verdict = '<span class="ok">accepted</span>' if d.accepted else '<span class="no">rejected</span>'
-    q = "1 (n-gram)" if d.p_draft is None else _pct(d.p_draft)
-    rows = [f'<div class="dh">draft <code>{escape(_visible(d.draft_token))}</code> · position {d.position + 1} · '
-            f'{verdict}</div>',
-            f'<div class="dv"><span>p_draft q(x)</span><span>{q}</span></div>',
-            f'<div class="dv"><span>p_target p(x)</span><span>{_pct(d.p_target)}</span></div>',
-            f'<div class="dv"><span>accept min(1, p/q)</span><span>{_pct(d.accept_prob)}</span></div>']
-    if d.residual_token_id is not None:
-        rows.append(f'<div class="dh">target drew <code>{escape(_visible(d.residual_token or ""))}</code> · '
-                    'residual max(0, p − q):</div>')
-        rows += [_bar_row(text, prob, tid == d.residual_token_id) for tid, text, prob in d.residual_top]
-    return f'<div class="dc">{"".join(rows)}</div>'
-
-
-def _visible(text: str) -> str:
-    return text.replace("\n", "↵").replace("\t", "⇥") or "∅"
+def _draft_data(d: DraftCheck) -> list:
+    """A speculative token's draft check for its hover card (web/tips.js draws it): the draft token, its position
+    in the round, accepted, p_draft q(x) (null for the n-gram proposer: q = 1), p_target p(x), min(1, p/q), and
+    on a rejection the target's token id and text with the residual max(0, p - q)'s top [[id, text, prob], ...]."""
+    return [d.draft_token, d.position, d.accepted, _round(d.p_draft, 4), _round(d.p_target, 4),
+            _round(d.accept_prob, 4), d.residual_token_id, d.residual_token,
+            [[tid, text, _round(prob, 4)] for tid, text, prob in d.residual_top]]
 
 
 def _token(t: Token, pos: int | None = None, extra: str = "") -> str:
@@ -105,13 +62,21 @@ def _token(t: Token, pos: int | None = None, extra: str = "") -> str:
         shade.append(f"--k:{min(1.0, max(0.0, t.masked)):.2f}")
     attrs = f' style="{";".join(shade)}"' if shade else ""
     if pos is not None:  # clickable: branch from here
-        alts = [[tid, text, None if lp is None else round(math.exp(lp), 4)] for tid, text, lp in t.top[:5]]
-        attrs += f' data-pos="{pos}" data-alts="{escape(json.dumps(alts))}"'
+        attrs += f' data-pos="{pos}"'
+    # the hover card's facts, drawn into a card by web/tips.js when the pointer first reaches the token. A
+    # streamed column re-sends all its tokens every frame: the card's HTML per token was ~60% of a frame's bytes
+    if t.top:
+        alts = [[tid, text, _round(_prob(lp), 4)] for tid, text, lp in t.top[:5]]
+        attrs += f' data-alts="{escape(json.dumps(alts))}" data-id="{t.token_id}"'
+    if t.logprob is not None:
+        attrs += f' data-lp="{t.logprob:.4f}"'
+    if t.entropy is not None:
+        attrs += f' data-h="{t.entropy:.2f}"'
+    if t.masked is not None:
+        attrs += f' data-k="{t.masked:.4f}"'
+    if t.draft is not None:
+        attrs += f' data-d="{escape(json.dumps(_draft_data(t.draft)))}"'
     body = escape(t.text).replace("\n", '<span class="nl">↵</span><br>')
-    if t.top or t.mark or t.logprob is not None:
-        # the hover card as an attribute: web/tips.js makes it an element on hover. A streamed column re-renders
-        # every token each frame, and ~10 card elements per token made most of the browser's work
-        attrs += f' data-tip="{escape(_tip(t))}"'
     return f'<span class="{cls}{extra}"{attrs}>{body}</span>'
 
 

@@ -63,7 +63,7 @@ def test_run_streams_four_mode_correct_columns(tiny_stack, tiny_reference):
         m = cols[mode]["metrics"]
         assert m["ttft_s"] > 0 and m["tokens"] == 24 and m["tokens_per_s"] > 0 and m["replica"] == "tiny-1"
     html = result[1]
-    assert 'data-status="done"' in html and "TTFT" in html and 'data-tip="' in html  # hover: top alternatives
+    assert 'data-status="done"' in html and "TTFT" in html and 'data-alts="' in html  # hover: top alternatives
     assert "Replica <b>tiny-1</b>" in result[5] and 'class="bmap"' in result[5]  # KV panel
 
 

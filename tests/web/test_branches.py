@@ -80,7 +80,7 @@ def test_html_carries_positions_alternatives_both_shadings_and_the_tree():
     assert re.search(r'style="--u:0\.39;--h:0\.20" data-pos="0"', html)
     alts = json.loads(re.search(r'data-pos="1" data-alts="([^"]*)"', html).group(1).replace("&quot;", '"'))
     assert alts[0][:2] == [11, " sky"] and alts[1][0] == 99
-    assert "entropy 2.00 nats" in html
+    assert 'data-h="2.00"' in html  # the entropy, for the hover card (web/tips.js)
     tree.fork(0, 1, Token(" sea", 50, -2.0), Column("greedy"))
     html = column_html(tree.root.column, tree=tree)
     assert html.count('class="tb') == 2 and 'data-branch="1"' in html

@@ -76,8 +76,12 @@ def test_a_run_fills_all_four_columns_the_kv_panel_and_the_summary(smol_stack, p
     page.wait_for_timeout(1500)  # the next pulse: the counters show the replica at rest, the map the run's peak
     token = page.locator("#out-greedy .txt .tk").nth(3)
     token.hover()
-    expect(token.locator(".tip")).to_be_visible()
-    expect(token.locator(".tip .alt").first).to_be_visible()
+    tip = token.locator(".tip")  # drawn from the token's data-* facts (web/tips.js)
+    expect(tip).to_be_visible()
+    expect(tip.locator(".alt").first).to_be_visible()
+    expect(tip.locator(".alt.me")).to_have_count(1)  # greedy: the chosen token is among the top alternatives
+    expect(tip.locator(".ent")).to_have_text(re.compile(r"entropy \d+\.\d\d nats"))
+    assert re.search(r"p = \d+\.\d% \(logprob -?\d+\.\d\d\)", tip.text_content()), tip.text_content()
     page.screenshot(path=str(SCREENSHOT), full_page=True)
     assert page.errors == []
 

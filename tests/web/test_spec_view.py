@@ -3,8 +3,10 @@ tiny target with a tiny draft model (`--draft-model`, the same vocabulary): the 
 card, the acceptance-by-draft-position bars, and the n-gram and draft proposers side by side."""
 from __future__ import annotations
 
+import json
 import re
 import uuid
+from html import unescape
 
 import pytest
 from playwright.sync_api import expect
@@ -42,8 +44,10 @@ def test_while_streaming_the_bars_count_the_checks_and_say_they_are_estimates():
     assert col.tokens_per_step() == 7 / 3  # three target forwards: the target token, the resampled, the bonus
     html = column_html(col, spec_k=K)
     assert 'data-exact="false"' in html and "≈ while streaming" in html
-    # one card per checked token, in the tokens' data-tip (web/tips.js makes the element on hover)
-    assert html.count('class=&quot;dc&quot;') == 5 and "residual max(0, p − q)" in html
+    # one draft check per checked token, in its data-d (web/tips.js draws the card on hover)
+    checked = [json.loads(unescape(d)) for d in re.findall(r'data-d="([^"]*)"', html)]
+    assert [c[2] for c in checked] == [True, False, True, True, True]  # accepted?
+    assert [c[6] for c in checked] == [None, 7, None, None, None]  # the residual's token: only on the rejection
 
 
 @pytest.fixture(scope="module")
