@@ -44,3 +44,32 @@ def test_planned_decode_and_store_equal_the_kernels(lens, heads, padding, seed):
         got = attn(q, k, v, k_cache, v_cache, meta)
         assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
         torch.testing.assert_close(got, want)  # same math; SDPA may round the last bit differently
+
+
+def chunks_step(chunks: list[tuple[int, int]], heads: int, seed: int):
+    """A step of multi-token chunks only: chunk i has q_len new tokens behind `cached` tokens already in the
+    pool (cached 0: a fresh prompt), its blocks scattered; random q and caches (the new K/V already stored)."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(-(-(c + n) // BLOCK) for n, c in chunks)
+    num_blocks = len(chunks) * width + 1
+    tables = torch.randperm(num_blocks - 1, generator=g)[:len(chunks) * width].view(len(chunks), width).int()
+    cu = torch.tensor([0] + [sum(n for n, _ in chunks[:i + 1]) for i in range(len(chunks))], dtype=torch.int32)
+    context = torch.tensor([n + c for n, c in chunks], dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), heads, D, generator=g)
+    caches = [torch.randn(num_blocks, BLOCK, HKV, D, generator=g) for _ in range(2)]
+    return q, caches, cu, context, tables
+
+
+@settings(max_examples=25, deadline=None)
+@given(chunks=st.lists(st.tuples(st.integers(1, 12), st.sampled_from([0, 0, 3, 8, 29])), min_size=1, max_size=4),
+       heads=st.sampled_from([2, 6]), seed=st.integers(0, 1000))
+@example(chunks=[(5, 95)], heads=6, seed=0)  # a speculative verification: 4 drafts + 1 behind a long context
+@example(chunks=[(12, 0), (1, 7), (4, 29)], heads=2, seed=1)  # a fresh prompt, then chunks behind cached ones
+def test_planned_prefill_equals_the_kernel(chunks, heads, seed):
+    from engine_service.engine.attention import PrefillPlan
+
+    q, (k_cache, v_cache), cu, context, tables = chunks_step(chunks, heads, seed)
+    want = kernels.prefill_attention_torch(q, k_cache, v_cache, cu, context, tables, 0.25)
+    plan = PrefillPlan.of(cu, context, tables, BLOCK, heads // HKV)
+    for _ in range(2):  # every layer of a step reuses the plan
+        torch.testing.assert_close(plan.attend(q, k_cache, v_cache, 0.25), want)
