@@ -9,14 +9,18 @@ from engine_service import LLM, SamplingParams
 from engine_service.engine.config import EngineConfig
 from engine_service.engine.models.int8_linear import HeadWeight, Int8Weight, _fbgemm_error, int8_kernel
 from engine_service.engine.models.packed_linear import Linear
+from kernels import cpu_int8
 from tests.helpers import GREEDY, random_prompt
 
 FBGEMM = _fbgemm_error()  # None, or why fbgemm does not run on this CPU
 needs_fbgemm = pytest.mark.skipif(FBGEMM is not None, reason=f"no fbgemm here: {FBGEMM}")
-KERNELS = [pytest.param("fbgemm", marks=needs_fbgemm), "dequant"]
+AVX2 = cpu_int8.unavailable()  # None, or why kernels/cpu_int8.c does not build or run here
+needs_avx2 = pytest.mark.skipif(AVX2 is not None, reason=f"no avx2 int8 kernel here: {AVX2}")
+KERNELS = [pytest.param("fbgemm", marks=needs_fbgemm), pytest.param("avx2", marks=needs_avx2), "dequant"]
+BATCH_INVARIANT = [pytest.param("fbgemm", marks=needs_fbgemm), pytest.param("avx2", marks=needs_avx2)]
 # ||int8 - fp32|| / ||fp32|| on random N(0, 1) inputs and weights: 7-bit weights and 8-bit activations (fbgemm)
-# measure ~0.9%, 8-bit weight-only (dequant) ~0.4%; the bounds leave 2x.
-REL_ERROR = {"fbgemm": 0.02, "dequant": 0.01}
+# measure ~0.9%, 8-bit weight-only (avx2, dequant) ~0.4%; the bounds leave 2x.
+REL_ERROR = {"fbgemm": 0.02, "avx2": 0.01, "dequant": 0.01}
 
 
 def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -48,16 +52,18 @@ def test_int8_linear_takes_empty_and_bf16_inputs(kernel):
     assert w(x).dtype == torch.bfloat16
 
 
-@needs_fbgemm
-def test_a_row_gives_the_same_int8_result_alone_or_in_any_batch():
-    # rows scaled to max |x| = 1 on one fixed grid: a row's int8 product does not depend on its neighbours
+@pytest.mark.parametrize("kernel", BATCH_INVARIANT)
+def test_a_row_gives_the_same_int8_result_alone_or_in_any_batch(kernel):
+    # fbgemm: rows scaled to max |x| = 1 on one fixed grid; avx2: every output one dot product in a fixed order
+    # whichever block of rows computes it. Either way a row's product does not depend on its neighbours
     torch.manual_seed(0)
-    w = Int8Weight(torch.randn(128, 256), torch.randn(128), "fbgemm")
-    rows = torch.randn(6, 256) * torch.tensor([1.0, 100.0, 0.01, 5.0, 1e3, 0.5])[:, None]  # ranges far apart
+    w = Int8Weight(torch.randn(130, 260), torch.randn(130), kernel)  # 130, 260: edges of the avx2 blocks
+    rows = torch.randn(9, 260) * torch.tensor([1.0, 100.0, 0.01, 5.0, 1e3, 0.5, 2.0, 3.0, 0.1])[:, None]
     batched = w(rows)
-    for i in range(6):
+    for i in range(9):
         assert torch.equal(w(rows[i:i + 1])[0], batched[i])
     assert torch.equal(w(rows[[4, 1]])[1], batched[1])
+    assert torch.equal(w(rows[2:7])[3], batched[5])
 
 
 @needs_fbgemm
@@ -80,9 +86,15 @@ def test_the_fp16_head_matches_fp32_closely():
 
 def test_kernel_choice_and_its_switch(monkeypatch):
     assert int8_kernel(torch.device("cuda")) == "dequant"
-    assert int8_kernel(torch.device("cpu")) == ("fbgemm" if FBGEMM is None else "dequant")
+    assert int8_kernel(torch.device("cpu")) == ("fbgemm" if FBGEMM is None else "avx2" if AVX2 is None else "dequant")
     monkeypatch.setenv("DECODELAB_INT8_KERNEL", "dequant")
     assert int8_kernel(torch.device("cpu")) == "dequant"
+    monkeypatch.setenv("DECODELAB_INT8_KERNEL", "avx2")
+    if AVX2 is None:
+        assert int8_kernel(torch.device("cpu")) == "avx2"
+    else:
+        with pytest.raises(ValueError, match="avx2 does not run here"):
+            int8_kernel(torch.device("cpu"))
     monkeypatch.setenv("DECODELAB_INT8_KERNEL", "int4")
     with pytest.raises(ValueError, match="DECODELAB_INT8_KERNEL"):
         int8_kernel(torch.device("cpu"))
@@ -136,7 +148,7 @@ def test_int8_engine_predicts_the_fp32_top_token_at_most_positions(kernel, arch,
     llm = LLM(model=model, quantization="int8")
     layer = llm.engine.runner.model.layers[0]
     assert layer.self_attn.qkv_proj.int8.kernel == layer.mlp.gate_up_proj.int8.kernel == kernel
-    # down_proj's outlier-heavy input: fp16 weights on fbgemm, int8 weight-only on dequant (CausalLM.quantize_int8)
+    # down_proj's outlier-heavy input: fp16 weights on fbgemm, int8 weight-only otherwise (CausalLM.quantize_int8)
     assert isinstance(layer.mlp.down_proj.int8, HeadWeight if kernel == "fbgemm" else Int8Weight)
     int8_out, int8_top = greedy_and_teacher_forced(llm, prompts)
     assert all(len(o) == 16 for o in int8_out)
@@ -151,10 +163,11 @@ def test_bf16_model_runs_int8(tiny_qwen2_dir):
     assert len(out[0].outputs[0].token_ids) == 8
 
 
-@needs_fbgemm
-def test_int8_speculative_output_equals_int8_greedy(tiny_llama_dir):
+@pytest.mark.parametrize("kernel", BATCH_INVARIANT)
+def test_int8_speculative_output_equals_int8_greedy(kernel, tiny_llama_dir, monkeypatch):
     # rows are batch-invariant, so verifying k drafts at once picks what one-token steps pick (with one
     # activation scale per step, as linear_dynamic has, 5 of 8 such prompts came out different)
+    monkeypatch.setenv("DECODELAB_INT8_KERNEL", kernel)
     llm = LLM(model=str(tiny_llama_dir), quantization="int8")
     prompts = [{"prompt_token_ids": random_prompt(12, seed=s) * 3} for s in range(4)]  # repeats: n-gram drafts
     greedy = llm.generate(prompts, SamplingParams(max_tokens=24, **GREEDY))

@@ -1,15 +1,24 @@
 """INT8 linears: int8 weights with one scale per output channel, activations quantized at run time.
 
-Weights are quantized symmetrically per output channel (`quantize_weight`). Two kernels, `int8_kernel`
+Weights are quantized symmetrically per output channel (`quantize_weight`). Three kernels, `int8_kernel`
 picks one:
 
-- "fbgemm" (x86 CPUs with AVX2 or better): weights and activations in int8 through PyTorch's quantized
-  engine (fbgemm). `quantized.linear_prepack` reorders the int8 weight once; each call quantizes its fp32
-  input to uint8, multiplies with int32 accumulation and scales back to fp32. It was the fastest int8 path
-  on the AVX2 target (docs/kernels.md has the table: 2.5-3.5x fewer ms than the oneDNN-packed fp32 weights
-  for the linears of a decode step; torchao's CPU int8 and `torch._int_mm` were 10-400x slower in eager
-  mode). PyTorch's `quantized.linear_dynamic` picks one activation scale for the whole input; three things
-  make this accurate enough (SmolLM2-135M, docs/kernels.md; plain linear_dynamic had 3.4x its perplexity):
+- "avx2" (x86 CPUs with AVX2 + FMA and a C compiler; DECODELAB_INT8_KERNEL=avx2, or where fbgemm does not
+  run): weight-only int8 (|q| <= 127), fp32 activations, our own kernel (kernels/cpu_int8.c, built on first
+  use). Exact products with the int8 weight, nothing calibrated, every matmul and the LM head in int8, each row's
+  result independent of the others of its step. On the 2-core AVX2 target (docs/kernels.md) the 121 matmuls of a
+  SmolLM2 decode step take 10.2 ms instead of fbgemm's 14.7 at 1 row and 14.2 vs 16.8 at 4 rows, and perplexity
+  rises +0.20% instead of +0.44%; at 8 rows its fp32 multiply-adds fill the FMA units (21.4 vs 21.8 ms alone,
+  but the four-mode playground with a browser on the same cores ran 6.1-6.4 s instead of 5.6), so the
+  playground's default stays fbgemm.
+- "fbgemm" (x86 CPUs with AVX2 or better; the CPU default): weights and activations in int8 through
+  PyTorch's quantized engine (fbgemm). `quantized.linear_prepack` reorders the int8 weight once; each call
+  quantizes its fp32 input to uint8, multiplies with int32 accumulation and scales back to fp32. It was the
+  fastest int8 path in PyTorch on the AVX2 target (docs/kernels.md has the table: 2.5-3.5x fewer ms than
+  the oneDNN-packed fp32 weights for the linears of a decode step; torchao's CPU int8 and `torch._int_mm`
+  were 10-400x slower in eager mode). PyTorch's `quantized.linear_dynamic` picks one activation scale for the
+  whole input; three things make this accurate enough (SmolLM2-135M, docs/kernels.md; plain linear_dynamic had
+  3.4x its perplexity):
   * rows are scaled to max |x| = 1 before the call and back after, and quantized on the fixed grid [-1, 1]
     (`quantized.linear_with_input_q_dq_qweight_dq_output_fp32`: linear_dynamic's kernel with the input's
     scale given; bitwise what linear_dynamic gives for an input spanning [-1, 1]): per-token quantization
@@ -26,8 +35,8 @@ picks one:
   measurable loss), 4.2 ms per step instead of 9.0 for the oneDNN-packed fp32 weight. So does each layer's
   down_proj, whose input (silu(gate) * up) has the worst activation outliers: all-int8 was +2.1% perplexity
   on held-out text (`decodelab bench quality`), fp16 down_proj +0.4%, at about the int8 speed for 1-8 rows.
-- "dequant" (CUDA, CPUs without fbgemm, or DECODELAB_INT8_KERNEL=dequant): weight-only int8 (|q| <= 127),
-  y = F.linear(x, q.to(x.dtype)) * scale: exact products with the int8 weight, the same on every device,
+- "dequant" (CUDA, CPUs where neither of the above runs, or DECODELAB_INT8_KERNEL=dequant): weight-only int8
+  (|q| <= 127), y = F.linear(x, q.to(x.dtype)) * scale: exact products with the int8 weight, the same on every device,
   weight memory halved (bf16) or quartered (fp32); the matmul runs at the input dtype's speed, and on a
   CPU each call converts the weight (a fallback for memory, not speed). Tested on the CPU; not run on a GPU.
 """
@@ -39,8 +48,10 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-KERNELS = ("fbgemm", "dequant")
-QMAX = {"fbgemm": 63, "dequant": 127}
+from kernels import cpu_int8
+
+KERNELS = ("avx2", "fbgemm", "dequant")
+QMAX = {"avx2": 127, "fbgemm": 63, "dequant": 127}
 
 # Seen once at load to find each matmul's activation ranges (SmoothQuant calibration): prose, code, numbers.
 CALIBRATION_TEXT = (
@@ -106,18 +117,23 @@ def _fbgemm_error() -> str | None:
 
 
 def int8_kernel(device: torch.device) -> str:
-    """Which kernel int8 linears use on `device`: "fbgemm" on CPUs that run it, else "dequant".
-    DECODELAB_INT8_KERNEL=dequant forces the portable one (tests, A/B runs)."""
+    """Which kernel int8 linears use on `device`: on a CPU "fbgemm" where it runs, else "avx2" where that
+    builds, else "dequant"; "dequant" on other devices. DECODELAB_INT8_KERNEL forces one ("avx2": single
+    streams and the least perplexity lost; tests, A/B runs)."""
     forced = os.environ.get("DECODELAB_INT8_KERNEL", "")
     if forced and forced not in KERNELS:
         raise ValueError(f"DECODELAB_INT8_KERNEL: expected one of {', '.join(KERNELS)}, got {forced!r}")
     if forced == "dequant" or device.type != "cpu":
         return "dequant"
+    if forced == "avx2":
+        if (why := cpu_int8.unavailable()) is not None:
+            raise ValueError(f"DECODELAB_INT8_KERNEL: avx2 does not run here ({why})")
+        return "avx2"
     why = _fbgemm_error()
     if why is not None:
         if forced == "fbgemm":
             raise ValueError(f"DECODELAB_INT8_KERNEL: fbgemm does not run on this CPU ({why})")
-        return "dequant"
+        return "avx2" if cpu_int8.unavailable() is None else "dequant"
     return "fbgemm"
 
 
@@ -150,13 +166,16 @@ class Int8Weight:
         self.kernel = kernel
         self.out_features = weight.shape[0]
         q, self.scale = quantize_weight(weight, QMAX[kernel])
-        self.bias = None if bias is None else bias.detach().float()
+        self.bias = None if bias is None else bias.detach().float().contiguous()
         if kernel == "fbgemm":
             self.packed, self.qweight = _fbgemm_pack(q, self.scale), None  # fbgemm keeps its own copy of q
         else:
-            self.packed, self.qweight = None, q
+            self.packed, self.qweight = None, q.contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "avx2":
+            out = cpu_int8.linear(x.float(), self.qweight, self.scale, self.bias)
+            return out if x.dtype == torch.float32 else out.to(x.dtype)
         if self.kernel == "dequant":
             out = F.linear(x, self.qweight.to(x.dtype)) * self.scale.to(x.dtype)
             return out if self.bias is None else out + self.bias.to(x.dtype)
