@@ -1,11 +1,12 @@
 """Paged attention over the KV pool, dispatched to kernels/ (torch reference or Triton).
 
 On the torch backend the decode part of a step runs from a `DecodePlan` and its multi-token chunks from a
-`PrefillPlan`, each worked out once per step rather than once per layer: kernels.paged_decode_attention_torch
-sorts the context lengths, cuts length-sorted groups of 8 and builds their block ids and length masks on every
-call, which at batch 1 cost ~0.2 ms of a layer's 0.28 ms (SmolLM2 shapes, one core of the 2-core target); the
-plans leave the gathers and SDPA per layer (same groups, same math as the kernels;
-tests/engine/test_attention_plan.py compares them). The KV store skips its padding check per layer the same way.
+`PrefillPlan` (kernels/prefill_attention.py, which makes one per call), each worked out once per step rather
+than once per layer: kernels.paged_decode_attention_torch sorts the context lengths, cuts length-sorted groups
+of 8 and builds their block ids and length masks on every call, which at batch 1 cost ~0.2 ms of a layer's
+0.28 ms (SmolLM2 shapes, one core of the 2-core target); the plan leaves the gathers and SDPA per layer (same
+groups, same math as the kernel; tests/engine/test_attention_plan.py compares them). The KV store skips its
+padding check per layer the same way.
 """
 from dataclasses import dataclass, field
 
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 import kernels
 from kernels._workspace import gather_dequant
 from kernels.kv_int8 import BlockWrites, store_int8_torch
+from kernels.prefill_attention import PrefillPlan
 
 _GROUP = 8  # sequences per padded decode group, as in kernels/paged_decode_attention.py (see docs/kernels.md)
 
@@ -65,67 +67,6 @@ class DecodePlan:
             if g.rows is None:
                 return o.reshape(b, h, d)
             out[g.rows] = o.reshape(n, h, d)
-        return out
-
-
-@dataclass
-class PrefillSeq:
-    start: int  # its queries are rows start:end of the step's prefill part
-    end: int
-    context: int  # tokens in its context, the new ones included
-    block_ids: torch.Tensor  # [ceil(context / block_size)] int64
-    mask: torch.Tensor | None  # [group * (end - start), context] bool, the queries folded per KV head; None: causal
-
-
-@dataclass
-class PrefillPlan:
-    """The multi-token chunks of a step (prefills, chunked prefills, speculative verification) worked out once
-    per step: kernels.prefill_attention_torch reads the lengths to the host and builds each chunk's mask on every
-    call, ~80 of its ~260 us per layer for a 5-token verification at a 100-token context (SmolLM2 shapes). A chunk
-    behind cached context attends with its queries folded per KV head ([Hkv, G * q_len, D], the mask repeated G
-    times), faster on CPU than SDPA's enable_gqa, as the decode groups do; a chunk that is its whole context
-    stays on SDPA's causal path, which skips the masked half of a long prompt."""
-
-    seqs: list[PrefillSeq]
-
-    @classmethod
-    def of(cls, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
-           block_size: int, group: int) -> "PrefillPlan":
-        cu, lens = cu_seqlens_q.tolist(), context_lens.tolist()  # host syncs, once per step
-        seqs = []
-        for s, ctx in enumerate(lens):
-            start, end = cu[s], cu[s + 1]
-            q_len = end - start
-            if q_len == 0:
-                continue
-            assert ctx >= q_len, "the new tokens are part of the context"
-            mask = None
-            if ctx > q_len:  # query i sits at position ctx - q_len + i and sees every key position <= that
-                positions = torch.arange(ctx, device=block_tables.device)
-                mask = (positions[None, :] <= positions[ctx - q_len:, None]).repeat(group, 1)
-            seqs.append(PrefillSeq(start, end, ctx, block_tables[s, :-(-ctx // block_size)].long(), mask))
-        return cls(seqs)
-
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
-               k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
-        out = torch.empty_like(q)
-        h, d = q.shape[1:]
-        hkv = k_cache.shape[2]
-        g = h // hkv
-        for s in self.seqs:
-            n, q_len = s.block_ids.numel() * k_cache.shape[1], s.end - s.start
-            k = gather_dequant(k_cache, k_scale, s.block_ids, "prefill_k", q.dtype).view(n, hkv, d)[:s.context]
-            v = gather_dequant(v_cache, v_scale, s.block_ids, "prefill_v", q.dtype).view(n, hkv, d)[:s.context]
-            k, v = k.transpose(0, 1), v.transpose(0, 1)
-            qs = q[s.start:s.end]
-            if s.mask is None:
-                o = F.scaled_dot_product_attention(qs.transpose(0, 1), k, v, is_causal=True, scale=scale,
-                                                   enable_gqa=True)
-                out[s.start:s.end] = o.transpose(0, 1)
-                continue
-            folded = qs.view(q_len, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * q_len, d)
-            o = F.scaled_dot_product_attention(folded, k, v, attn_mask=s.mask, scale=scale)
-            out[s.start:s.end] = o.view(hkv, g, q_len, d).permute(2, 0, 1, 3).reshape(q_len, h, d)
         return out
 
 

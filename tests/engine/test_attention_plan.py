@@ -1,10 +1,13 @@
-"""The torch backend's per-step decode plan and KV store (attention.py) give what the kernels give per call."""
+"""The torch backend's per-step plans and KV store (attention.py) give what the kernels give per call, and the
+prefill plan what a plainly written attention gives."""
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import kernels
 from engine_service.engine.attention import AttentionMetadata, PagedAttention
+from kernels.prefill_attention import PrefillPlan
+from tests.kernels.kernel_testing import make_paged_cache, naive_attention
 
 BLOCK, HKV, D = 8, 2, 16
 
@@ -46,30 +49,21 @@ def test_planned_decode_and_store_equal_the_kernels(lens, heads, padding, seed):
         torch.testing.assert_close(got, want)  # same math; SDPA may round the last bit differently
 
 
-def chunks_step(chunks: list[tuple[int, int]], heads: int, seed: int):
-    """A step of multi-token chunks only: chunk i has q_len new tokens behind `cached` tokens already in the
-    pool (cached 0: a fresh prompt), its blocks scattered; random q and caches (the new K/V already stored)."""
-    g = torch.Generator().manual_seed(seed)
-    width = max(-(-(c + n) // BLOCK) for n, c in chunks)
-    num_blocks = len(chunks) * width + 1
-    tables = torch.randperm(num_blocks - 1, generator=g)[:len(chunks) * width].view(len(chunks), width).int()
-    cu = torch.tensor([0] + [sum(n for n, _ in chunks[:i + 1]) for i in range(len(chunks))], dtype=torch.int32)
-    context = torch.tensor([n + c for n, c in chunks], dtype=torch.int32)
-    q = torch.randn(int(cu[-1]), heads, D, generator=g)
-    caches = [torch.randn(num_blocks, BLOCK, HKV, D, generator=g) for _ in range(2)]
-    return q, caches, cu, context, tables
-
-
 @settings(max_examples=25, deadline=None)
 @given(chunks=st.lists(st.tuples(st.integers(1, 12), st.sampled_from([0, 0, 3, 8, 29])), min_size=1, max_size=4),
        heads=st.sampled_from([2, 6]), seed=st.integers(0, 1000))
 @example(chunks=[(5, 95)], heads=6, seed=0)  # a speculative verification: 4 drafts + 1 behind a long context
 @example(chunks=[(12, 0), (1, 7), (4, 29)], heads=2, seed=1)  # a fresh prompt, then chunks behind cached ones
-def test_planned_prefill_equals_the_kernel(chunks, heads, seed):
-    from engine_service.engine.attention import PrefillPlan
-
-    q, (k_cache, v_cache), cu, context, tables = chunks_step(chunks, heads, seed)
-    want = kernels.prefill_attention_torch(q, k_cache, v_cache, cu, context, tables, 0.25)
-    plan = PrefillPlan.of(cu, context, tables, BLOCK, heads // HKV)
+def test_a_step_plan_for_its_chunks_matches_naive_attention_in_every_layer(chunks, heads, seed):
+    # chunk i: q_len new tokens behind `cached` ones already in the pool (0: a fresh prompt), blocks scattered
+    lens = [n + c for n, c in chunks]
+    cache = make_paged_cache(lens, BLOCK, HKV, D, seed=seed)
+    cu = torch.tensor([0] + [sum(n for n, _ in chunks[:i + 1]) for i in range(len(chunks))], dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), heads, D, generator=torch.Generator().manual_seed(seed))
+    plan = PrefillPlan.of(cu, cache.context_lens, cache.block_tables, BLOCK, heads // HKV)
     for _ in range(2):  # every layer of a step reuses the plan
-        torch.testing.assert_close(plan.attend(q, k_cache, v_cache, 0.25), want)
+        got = plan.attend(q, cache.k_cache, cache.v_cache, 0.25)
+        for s, (n, cached) in enumerate(chunks):
+            k, v = cache.dense_kv(s)
+            want = naive_attention(q[cu[s]:cu[s + 1]], k, v, list(range(cached, cached + n)), 0.25)
+            torch.testing.assert_close(got[cu[s]:cu[s + 1]].double(), want, atol=1e-5, rtol=1e-5)
