@@ -8,10 +8,10 @@ stay within 2% perplexity, and pays ~60 us of its own per call at one row; `_wei
 the activations in fp32 (weight-only int8, 8 bits, one scale per output row: exact products, nothing to
 calibrate) and reads each weight byte once per block of up to 4 rows (docs/kernels.md has the measurements).
 
-`load()` compiles `cpu_int8.c` with the system C compiler (`$CC`, else `cc`; -O3 -mavx2 -mfma -fopenmp) into
-`$DECODELAB_CACHE_DIR/kernels` (default ~/.cache/decodelab/kernels), once per source version, and returns
-None with the reason in `unavailable()` when the CPU lacks AVX2 or FMA, there is no compiler, or the build
-fails: callers fall back to PyTorch's kernels.
+The first call (`unavailable()` or `linear()`) compiles `cpu_int8.c` with the system C compiler (`$CC`, else
+`cc`; -O3 -mavx2 -mfma -fopenmp) into `$DECODELAB_CACHE_DIR/kernels` (default ~/.cache/decodelab/kernels), once
+per source version. `unavailable()` says why not when the CPU lacks AVX2 or FMA, there is no compiler, or the
+build fails: callers (int8_linear.int8_kernel) then fall back to PyTorch's kernels.
 """
 from __future__ import annotations
 
