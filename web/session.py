@@ -320,6 +320,7 @@ class Run:
                 if col.version != seen:
                     seen = col.version
                     yield
+                    continue  # the column may have changed, or ended, while the caller drew: draw that first
                 if col.finished:
                     return
                 if task.done():  # _stream always ends its column; this is the belt to its braces

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from shared.protocol import TokenEvent, TokenLogprob
+from shared.protocol import Completion, DoneEvent, TokenEvent, TokenLogprob
 from web.branches import MAX_BRANCHES, BranchError, BranchTree, continuation
 from web.columns import Column, Token
 from web.render import column_html
@@ -85,3 +85,33 @@ def test_html_carries_positions_alternatives_both_shadings_and_the_tree():
     html = column_html(tree.root.column, tree=tree)
     assert html.count('class="tb') == 2 and 'data-branch="1"' in html
     assert 'class="tk inh"' in html and 'class="tk fork"' in html
+
+
+def test_a_branch_that_ends_while_its_caller_draws_still_gets_its_final_frame():
+    """Run.follow's last yield shows the ended column, however long the caller took over the frame before.
+    (It used to return on `finished` without drawing the change: the page kept "queued" for a branch that had
+    streamed and finished while the handler read the KV panel.)"""
+    import asyncio
+
+    from web.modes import Settings
+    from web.session import Run, Service
+
+    run = Run(Service("redis://127.0.0.1:1"), Settings(prompt="x"))
+    branch = run.trees["greedy"].fork(0, 0, Token(" y", 5), Column("greedy"))
+
+    async def stream(col: Column) -> None:  # the replica's events, arriving while the caller is busy
+        await asyncio.sleep(0.05)
+        col.feed(TokenEvent(request_id="r", seq=0, text_delta=" z", token_ids=[6]))
+        col.feed(DoneEvent(request_id="r", seq=1, finish_reason="length", text=" z",
+                           outputs=[Completion(index=0, text=" z", token_ids=[6], finish_reason="length")]))
+
+    async def main() -> list[str]:
+        run._stream = stream
+        seen = []
+        async for _ in run.follow(branch, min_interval=0.01):
+            seen.append(branch.column.status)
+            await asyncio.sleep(0.2)  # a slow frame: the stream ends meanwhile
+        return seen
+
+    seen = asyncio.run(main())
+    assert seen[-1] == "done", seen
