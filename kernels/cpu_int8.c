@@ -8,17 +8,11 @@
    OpenMP runtime: PyTorch's libgomp, already loaded, so torch.set_num_threads applies). Built and loaded by
    kernels/cpu_int8.py. */
 #include <immintrin.h>
+#include "cpu_simd.h"
 #include <stdint.h>
 /* bytes ahead of the weight rows being read to prefetch: 1 KiB cut the 1-row matmuls of a SmolLM2 step from
    11.4 to 8.1 ms on the AVX2 target (4 weight rows streamed at once outrun the hardware prefetcher) */
 #define PF 1024
-
-static inline float hsum(__m256 v) {
-    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-    return _mm_cvtss_f32(lo);
-}
 
 static inline __m256 wload(const int8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));

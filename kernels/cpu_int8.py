@@ -8,79 +8,31 @@ stay within 2% perplexity, and pays ~60 us of its own per call at one row; `_wei
 the activations in fp32 (weight-only int8, 8 bits, one scale per output row: exact products, nothing to
 calibrate) and reads each weight byte once per block of up to 4 rows (docs/kernels.md has the measurements).
 
-The first call (`unavailable()` or `linear()`) compiles `cpu_int8.c` with the system C compiler (`$CC`, else
-`cc`; -O3 -mavx2 -mfma -fopenmp) into `$DECODELAB_CACHE_DIR/kernels` (default ~/.cache/decodelab/kernels), once
-per source version. `unavailable()` says why not when the CPU lacks AVX2 or FMA, there is no compiler, or the
-build fails: callers (int8_linear.int8_kernel) then fall back to PyTorch's kernels.
+The first call (`unavailable()` or `linear()`) compiles `cpu_int8.c` (kernels/_cbuild.py: the system C compiler,
+-O3 -mavx2 -mfma -fopenmp, into `$DECODELAB_CACHE_DIR/kernels`, once per source version). `unavailable()` says
+why not when the CPU lacks AVX2 or FMA, there is no compiler, or the build fails: callers
+(int8_linear.int8_kernel) then fall back to PyTorch's kernels.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("cpu_int8.c")
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("DECODELAB_CACHE_DIR") or Path.home() / ".cache" / "decodelab"
-    return Path(root) / "kernels"
+from kernels import _cbuild
 
 
 @functools.cache
 def _build() -> tuple[ctypes.CDLL | None, str]:
     """(the loaded library, "") or (None, why not)."""
-    if not {"avx2", "fma"} <= _cpu_flags():
-        return None, "this CPU has no AVX2 + FMA (or no /proc/cpuinfo to say so)"
-    cc = shutil.which(os.environ.get("CC") or "cc")
-    if cc is None:
-        return None, "no C compiler (cc, or $CC) to build kernels/cpu_int8.c"
-    text = SOURCE.read_bytes()
-    tag = hashlib.sha256(text + " ".join(FLAGS).encode()).hexdigest()[:12]
-    out = _cache_dir() / f"cpu_int8-{tag}.so"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)  # built aside, then renamed: processes may race
-        os.close(fd)
-        try:
-            done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120)
-            if done.returncode != 0:
-                return None, f"building kernels/cpu_int8.c failed: {done.stderr.strip()[:300]}"
-            os.replace(tmp, out)
-        except (OSError, subprocess.SubprocessError) as e:
-            return None, f"building kernels/cpu_int8.c failed: {e}"
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    torch.get_num_threads()  # PyTorch's libgomp is loaded first, so the library's OpenMP calls resolve to it
-    try:
-        lib = ctypes.CDLL(str(out))
-    except OSError as e:
-        return None, f"loading {out.name} failed: {e}"
-    f = lib.dl_int8_linear
-    f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
-    f.restype = None
-    return lib, ""
+    lib, why = _cbuild.build("cpu_int8")
+    if lib is not None:
+        f = lib.dl_int8_linear
+        f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+        f.restype = None
+    return lib, why
 
 
 def unavailable() -> str | None:

@@ -8,12 +8,14 @@ of 8 and builds their block ids and length masks on every call, which at batch 1
 groups, same math as the kernel; tests/engine/test_attention_plan.py compares them). The KV store skips its
 padding check per layer the same way.
 """
+import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 import kernels
+from kernels import cpu_decode_attention
 from kernels._workspace import gather_dequant
 from kernels.kv_int8 import BlockWrites, store_int8_torch
 from kernels.prefill_attention import PrefillPlan
@@ -84,6 +86,7 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor | None  # [num_prefill, max_blocks] int32
     # the torch backend's per-step work, made by the first layer and reused by the others
     _decode_plan: DecodePlan | None = field(default=None, repr=False, compare=False)
+    _decode_tables: cpu_decode_attention.DecodeTables | None = field(default=None, repr=False, compare=False)
     _prefill_plan: PrefillPlan | None = field(default=None, repr=False, compare=False)
     _store_slots: torch.Tensor | None = field(default=None, repr=False, compare=False)
     _store_rows: torch.Tensor | None = field(default=None, repr=False, compare=False)
@@ -93,6 +96,11 @@ class AttentionMetadata:
         if self._decode_plan is None:
             self._decode_plan = DecodePlan.of(self.decode_block_tables, self.decode_context_lens, block_size)
         return self._decode_plan
+
+    def decode_tables(self) -> cpu_decode_attention.DecodeTables:
+        if self._decode_tables is None:
+            self._decode_tables = cpu_decode_attention.DecodeTables(self.decode_block_tables, self.decode_context_lens)
+        return self._decode_tables
 
     def prefill_plan(self, block_size: int, group: int) -> PrefillPlan:
         if self._prefill_plan is None:
@@ -131,6 +139,7 @@ class PagedAttention:
         # an int8 KV cache's scales [num_blocks, Hkv], bound by the model runner beside the caches
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
+        self._cpu_decode: bool | None = None  # decode through kernels/cpu_decode_attention.c (decided on first use)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -141,7 +150,10 @@ class PagedAttention:
         nd = meta.num_decode
         parts = []
         if nd:
-            if self.torch_backend:
+            if self.torch_backend and self._use_cpu_decode(q, k_cache):
+                parts.append(meta.decode_tables().attend(q[:nd], k_cache, v_cache, self.scale, self.k_scale,
+                                                         self.v_scale))
+            elif self.torch_backend:
                 parts.append(meta.decode_plan(k_cache.shape[1]).attend(q[:nd], k_cache, v_cache, self.scale,
                                                                        self.k_scale, self.v_scale))
             else:
@@ -155,6 +167,24 @@ class PagedAttention:
                                       meta.prefill_context_lens, meta.prefill_block_tables, self.scale,
                                       self.k_scale, self.v_scale))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+    def _use_cpu_decode(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        if self._cpu_decode is None:
+            self._cpu_decode = cpu_decode_attention_wanted() and cpu_decode_attention.supports(q, k_cache)
+        return self._cpu_decode
+
+
+def cpu_decode_attention_wanted() -> bool:
+    """Whether decode attention on the CPU runs our AVX2 kernel: where it builds, unless
+    DECODELAB_ATTENTION_KERNEL=torch asks for the torch path ("avx2" insists on the kernel)."""
+    forced = os.environ.get("DECODELAB_ATTENTION_KERNEL", "")
+    if forced not in ("", "avx2", "torch"):
+        raise ValueError(f"DECODELAB_ATTENTION_KERNEL: expected avx2 or torch, got {forced!r}")
+    why = cpu_decode_attention.unavailable() if forced != "torch" else "torch asked for"
+    if forced == "avx2" and why is not None:
+        raise ValueError(f"DECODELAB_ATTENTION_KERNEL: avx2 does not run here ({why})")
+    return why is None
 
 
 def _store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -1,0 +1,69 @@
+"""Build and load the C kernels of this package (cpu_*.c) with the system compiler, once per source version.
+
+Each source is compiled with `$CC` (else `cc`), -O3 -mavx2 -mfma -fopenmp, into `$DECODELAB_CACHE_DIR/kernels`
+(default ~/.cache/decodelab/kernels) under a name that carries a hash of the source, the headers beside it
+(cpu_simd.h) and the flags, built aside and renamed (processes may race). `build()` says why not instead when
+the CPU lacks AVX2 or FMA, there is no compiler, or the build fails; callers then run their PyTorch path.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("DECODELAB_CACHE_DIR") or Path.home() / ".cache" / "decodelab"
+    return Path(root) / "kernels"
+
+
+def build(name: str) -> tuple[ctypes.CDLL | None, str]:
+    """kernels/`name`.c built (unless already in the cache) and loaded: (the library, "") or (None, why not)."""
+    source = Path(__file__).with_name(f"{name}.c")
+    if not {"avx2", "fma"} <= cpu_flags():
+        return None, "this CPU has no AVX2 + FMA (or no /proc/cpuinfo to say so)"
+    cc = shutil.which(os.environ.get("CC") or "cc")
+    if cc is None:
+        return None, f"no C compiler (cc, or $CC) to build kernels/{name}.c"
+    text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    tag = hashlib.sha256(text + " ".join(FLAGS).encode()).hexdigest()[:12]
+    out = cache_dir() / f"{name}-{tag}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        os.close(fd)
+        try:
+            argv = [cc, *FLAGS, "-o", tmp, str(source), "-lm"]
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+            if done.returncode != 0:
+                return None, f"building kernels/{name}.c failed: {done.stderr.strip()[:300]}"
+            os.replace(tmp, out)
+        except (OSError, subprocess.SubprocessError) as e:
+            return None, f"building kernels/{name}.c failed: {e}"
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    torch.get_num_threads()  # PyTorch's libgomp is loaded first, so the library's OpenMP calls resolve to it
+    try:
+        return ctypes.CDLL(str(out)), ""
+    except OSError as e:
+        return None, f"loading {out.name} failed: {e}"

@@ -1,0 +1,158 @@
+/* Paged decode attention on x86 CPUs with AVX2 and FMA: one query token per sequence against its cached K/V,
+   read in place through the block table (no gather into a padded copy, no mask, no per-layer plan).
+
+   q [B, H, D] fp32 (row stride ldq, heads contiguous); caches [num_blocks, block_size, Hkv, D], fp32 or int8
+   (an int8 cache reads back as value * scale[block, head], kernels/kv_int8.py); block_tables [B, *] int32 (row
+   stride ldbt); context_lens [B] int32; out [B, H, D] fp32 contiguous.
+
+   One task per (sequence, KV head) computes its G = H / Hkv query heads, the group's K/V rows of a chunk of CHUNK
+   context tokens staying in L1 between heads. Per chunk and head: the scores (4 tokens at a time), an
+   online-softmax update (running max and sum, the accumulator rescaled when the max grows), the weights (a
+   vectorized exp), then the weighted V rows into accumulators held in registers. A task's arithmetic depends on its
+   own sequence only: a sequence gets the same bits alone or in any batch. Tasks are split between threads by
+   OpenMP (PyTorch's libgomp, loaded first) once a step has enough work to pay for waking them. Built and loaded
+   by kernels/cpu_decode_attention.py. */
+#include <immintrin.h>
+#include "cpu_simd.h"
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define CHUNK 64
+#define MAX_D 256
+#define MAX_G 16
+/* below this many (context token x KV head) pairs a step's attention runs on the calling thread: waking the
+   other thread (futex, OMP_WAIT_POLICY=PASSIVE) costs more than the work (SmolLM2: 3 KV heads x ~100 tokens) */
+#define PARALLEL_MIN 8192
+
+static inline __m256 load8(const void* base, int64_t i, const int I8) {
+    if (I8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)((const int8_t*)base + i))));
+    return _mm256_loadu_ps((const float*)base + i);
+}
+
+/* exp of 8 floats <= 0 (Cephes' expf: range reduction by ln 2, degree-5 polynomial; ~1 ulp) */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    __m256 fx = _mm256_round_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)),
+                                _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
+}
+
+/* the 8-lane sums of a0..a3 as 4 floats */
+static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+static inline __attribute__((always_inline)) void task(
+        const float* q, int64_t G, int64_t D, const void* kc, const void* vc, const float* ks, const float* vs,
+        const int32_t* table, int64_t ctx, int64_t bs, int64_t hkv, int64_t h, float scale, float* out,
+        const int I8) {
+    float qs[MAX_G][MAX_D] __attribute__((aligned(32)));
+    float acc[MAX_G][MAX_D] __attribute__((aligned(32)));
+    float p[MAX_G][CHUNK] __attribute__((aligned(32)));  /* a chunk's scores, then their weights */
+    float fk[CHUNK], fv[CHUNK];  /* an int8 cache's scale of each token's block */
+    int64_t row[CHUNK];
+    float m[MAX_G], l[MAX_G];
+    for (int64_t g = 0; g < G; g++) {
+        for (int64_t d = 0; d < D; d++) qs[g][d] = q[g * D + d] * scale;
+        memset(acc[g], 0, D * sizeof(float));
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+    }
+    for (int64_t c = 0; c < ctx; c += CHUNK) {
+        int64_t n = ctx - c < CHUNK ? ctx - c : CHUNK, n4 = (n + 3) & ~3, n8 = (n + 7) & ~7;
+        for (int64_t t = 0; t < n8; t++) {  /* rows past n repeat the last one: computed, then given weight 0 */
+            int64_t pos = c + (t < n ? t : n - 1), blk = table[pos / bs];
+            row[t] = ((blk * bs + pos % bs) * hkv + h) * D;
+            fk[t] = I8 ? ks[blk * hkv + h] : 1.0f;
+            fv[t] = I8 ? vs[blk * hkv + h] : 1.0f;
+        }
+        for (int64_t g = 0; g < G; g++) {  /* scores, 4 tokens at a time */
+            for (int64_t t = 0; t < n4; t += 4) {
+                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                for (int64_t d = 0; d < D; d += 8) {
+                    __m256 qv = _mm256_load_ps(qs[g] + d);
+                    a0 = _mm256_fmadd_ps(qv, load8(kc, row[t] + d, I8), a0);
+                    a1 = _mm256_fmadd_ps(qv, load8(kc, row[t + 1] + d, I8), a1);
+                    a2 = _mm256_fmadd_ps(qv, load8(kc, row[t + 2] + d, I8), a2);
+                    a3 = _mm256_fmadd_ps(qv, load8(kc, row[t + 3] + d, I8), a3);
+                }
+                _mm_storeu_ps(p[g] + t, _mm_mul_ps(hsum4(a0, a1, a2, a3), _mm_loadu_ps(fk + t)));
+            }
+            for (int64_t t = n; t < n8; t++) p[g][t] = -INFINITY;
+            float mx = m[g];
+            for (int64_t t = 0; t < n; t++) mx = p[g][t] > mx ? p[g][t] : mx;
+            if (mx > m[g]) {  /* the max grew: what was summed so far shrinks by exp(old - new) */
+                float alpha = expf(m[g] - mx);
+                __m256 av = _mm256_set1_ps(alpha);
+                for (int64_t d = 0; d < D; d += 8) _mm256_store_ps(acc[g] + d, _mm256_mul_ps(av, _mm256_load_ps(acc[g] + d)));
+                l[g] *= alpha;
+                m[g] = mx;
+            }
+            __m256 sum = _mm256_setzero_ps(), mv = _mm256_set1_ps(mx);
+            for (int64_t t = 0; t < n8; t += 8) {
+                __m256 e = exp8(_mm256_sub_ps(_mm256_load_ps(p[g] + t), mv));
+                if (t + 8 > n)  /* padding lanes: weight 0 */
+                    e = _mm256_and_ps(e, _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+                        _mm256_set1_epi32((int)(n - t)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))));
+                sum = _mm256_add_ps(sum, e);
+                _mm256_store_ps(p[g] + t, _mm256_mul_ps(e, _mm256_loadu_ps(fv + t)));
+            }
+            l[g] += hsum(sum);
+            /* the weighted V rows, 32 output lanes in registers at a time */
+            for (int64_t d = 0; d < D; d += 32) {
+                int64_t w = D - d < 32 ? D - d : 32;
+                __m256 c0 = _mm256_load_ps(acc[g] + d), c1 = w > 8 ? _mm256_load_ps(acc[g] + d + 8) : c0;
+                __m256 c2 = w > 16 ? _mm256_load_ps(acc[g] + d + 16) : c0, c3 = w > 24 ? _mm256_load_ps(acc[g] + d + 24) : c0;
+                for (int64_t t = 0; t < n; t++) {
+                    __m256 pt = _mm256_broadcast_ss(p[g] + t);
+                    c0 = _mm256_fmadd_ps(pt, load8(vc, row[t] + d, I8), c0);
+                    if (w > 8) c1 = _mm256_fmadd_ps(pt, load8(vc, row[t] + d + 8, I8), c1);
+                    if (w > 16) c2 = _mm256_fmadd_ps(pt, load8(vc, row[t] + d + 16, I8), c2);
+                    if (w > 24) c3 = _mm256_fmadd_ps(pt, load8(vc, row[t] + d + 24, I8), c3);
+                }
+                _mm256_store_ps(acc[g] + d, c0);
+                if (w > 8) _mm256_store_ps(acc[g] + d + 8, c1);
+                if (w > 16) _mm256_store_ps(acc[g] + d + 16, c2);
+                if (w > 24) _mm256_store_ps(acc[g] + d + 24, c3);
+            }
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;  /* an empty context (never scheduled) gives zeros */
+        for (int64_t d = 0; d < D; d++) out[g * D + d] = acc[g][d] * inv;
+    }
+}
+
+/* D % 8 == 0, D <= MAX_D, H / Hkv <= MAX_G: checked by the caller */
+void dl_paged_decode(const float* q, int64_t ldq, int64_t B, int64_t H, int64_t Hkv, int64_t D,
+                     const void* k_cache, const void* v_cache, int is_int8, const float* k_scale, const float* v_scale,
+                     const int32_t* block_tables, int64_t ldbt, const int32_t* context_lens, int64_t bs,
+                     float scale, float* out) {
+    int64_t G = H / Hkv, work = 0;
+    for (int64_t b = 0; b < B; b++) work += context_lens[b];
+    work *= Hkv;
+    #pragma omp parallel for schedule(dynamic, 1) if (work >= PARALLEL_MIN)
+    for (int64_t i = 0; i < B * Hkv; i++) {
+        int64_t b = i / Hkv, h = i % Hkv;
+        const float* qp = q + b * ldq + h * G * D;
+        float* op = out + (b * H + h * G) * D;
+        if (is_int8)
+            task(qp, G, D, k_cache, v_cache, k_scale, v_scale, block_tables + b * ldbt, context_lens[b], bs, Hkv, h,
+                 scale, op, 1);
+        else
+            task(qp, G, D, k_cache, v_cache, k_scale, v_scale, block_tables + b * ldbt, context_lens[b], bs, Hkv, h,
+                 scale, op, 0);
+    }
+}

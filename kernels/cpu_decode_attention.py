@@ -1,0 +1,95 @@
+"""Paged decode attention for x86 CPUs with AVX2 + FMA (`cpu_decode_attention.c`), built on first use.
+
+Why: on the torch path a decode step's attention is, per layer, two gathers of the sequences' blocks into a
+padded copy, SDPA with a length mask, and the reshapes around them: ~0.14 ms a layer at batch 1 on the 2-core
+AVX2 target, most of it the ops' own overhead for a few hundred context tokens. The C kernel reads K/V in place
+through the block table, once per KV head for all its query heads (docs/kernels.md has the measurements).
+
+The engine uses it for fp32 queries over fp32 or int8 caches on the CPU when it builds (kernels/_cbuild.py);
+`unavailable()` says why not, and `supports()` whether a given call fits (head size a multiple of 8 up to 256,
+at most 16 query heads per KV head). Anything else runs the torch path.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from kernels import _cbuild
+
+MAX_D, MAX_G = 256, 16  # as in the C source
+
+
+@functools.cache
+def _build() -> tuple[ctypes.CDLL | None, str]:
+    lib, why = _cbuild.build("cpu_decode_attention")
+    if lib is not None:
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        f = lib.dl_paged_decode
+        f.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ctypes.c_int, ptr, ptr, ptr, i64, ptr, i64,
+                      ctypes.c_float, ptr]
+        f.restype = None
+    return lib, why
+
+
+def unavailable() -> str | None:
+    """None if the kernel runs here, else why not."""
+    lib, why = _build()
+    return None if lib is not None else why
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether paged_decode takes these: fp32 queries on the CPU, an fp32 or int8 cache, and shapes it handles."""
+    d, h, hkv = q.shape[-1], q.shape[1], k_cache.shape[2]
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype in (torch.float32, torch.int8)
+            and d % 8 == 0 and d <= MAX_D and h % hkv == 0 and h // hkv <= MAX_G)
+
+
+class DecodeTables:
+    """A decode batch's block tables and context lengths, ready for the kernel: made once per engine step and used
+    by every layer (the per-call checks and conversions cost as much as the attention of a short context)."""
+
+    def __init__(self, block_tables: torch.Tensor, context_lens: torch.Tensor):
+        assert block_tables.shape[0] == len(context_lens)
+        self.block_tables = block_tables.to(torch.int32)
+        if self.block_tables.stride(1) != 1:
+            self.block_tables = self.block_tables.contiguous()
+        self.context_lens = context_lens.to(torch.int32).contiguous()
+        self.b = len(context_lens)
+        self._tables = (self.block_tables.data_ptr(), self.block_tables.stride(0), self.context_lens.data_ptr())
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+               k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """q [B, H, D] (supports(q, k_cache); heads contiguous) -> [B, H, D]. The caches (and an int8 cache's
+        contiguous scales [num_blocks, Hkv]) as the engine allocates them: contiguous, one dtype."""
+        b, h, d = q.shape
+        if q.stride(2) != 1 or q.stride(1) != d:
+            q = q.contiguous()
+        out = torch.empty(b, h, d, dtype=torch.float32)
+        if b:
+            quant = k_scale is not None
+            bt, ldbt, lens = self._tables
+            _build()[0].dl_paged_decode(
+                q.data_ptr(), q.stride(0), b, h, k_cache.shape[2], d, k_cache.data_ptr(), v_cache.data_ptr(),
+                int(quant), k_scale.data_ptr() if quant else None, v_scale.data_ptr() if quant else None,
+                bt, ldbt, lens, k_cache.shape[1], scale, out.data_ptr())
+        return out
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """As kernels.paged_decode_attention_torch: q [B, H, D] -> [B, H, D]; k_scale / v_scale [num_blocks, Hkv] for
+    an int8 cache. Every context length must be >= 1 and every block id it covers valid (not checked here)."""
+    lib, why = _build()
+    if lib is None:
+        raise RuntimeError(f"kernels.cpu_decode_attention is not available: {why}")
+    assert supports(q, k_cache), "see supports()"
+    quant = k_cache.dtype == torch.int8
+    assert quant == (k_scale is not None) and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert v_cache.dtype == k_cache.dtype and v_cache.shape == k_cache.shape and q.shape[0] == len(context_lens)
+    if quant:
+        assert k_scale.dtype == v_scale.dtype == torch.float32
+        k_scale, v_scale = k_scale.contiguous(), v_scale.contiguous()
+    return DecodeTables(block_tables, context_lens).attend(q, k_cache, v_cache, scale, k_scale, v_scale)

@@ -1,0 +1,89 @@
+"""kernels/cpu_decode_attention.c, our AVX2 paged decode attention, against plainly written float64 attention over
+the same paged cache: block sizes, head sizes and query groups off its grids, contexts across its 64-token chunks,
+an int8 cache against its dequantized values, a sequence alone or in any batch; and the engine's choice of path
+(its build's fall-back: test_cbuild.py)."""
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from kernels import cpu_decode_attention
+from kernels.kv_int8 import dequantize
+from tests.kernels.kernel_testing import make_paged_cache, naive_attention
+
+pytestmark = pytest.mark.skipif(cpu_decode_attention.unavailable() is not None,
+                                reason=f"no avx2 decode attention here: {cpu_decode_attention.unavailable()}")
+
+
+def reference(q, k_cache, v_cache, cache, scale) -> torch.Tensor:
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for s in range(q.shape[0]):
+        k, v = cache.__class__(k_cache, v_cache, cache.block_tables, cache.context_lens).dense_kv(s)
+        n = int(cache.context_lens[s])
+        out[s] = naive_attention(q[s:s + 1], k, v, [n - 1], scale)[0]
+    return out
+
+
+@settings(max_examples=30, deadline=None)
+@given(lens=st.lists(st.integers(1, 200), min_size=1, max_size=5), block_size=st.sampled_from([1, 8, 16, 32]),
+       hkv=st.integers(1, 4), group=st.integers(1, 16), d=st.sampled_from([8, 24, 64, 128, 256]),
+       seed=st.integers(0, 10_000))
+@example(lens=[100, 37, 64, 65, 1, 128], block_size=16, hkv=3, group=3, d=64, seed=0)  # SmolLM2's shapes
+@example(lens=[1000], block_size=16, hkv=2, group=7, d=64, seed=1)  # Qwen2-0.5B's group, a long context
+def test_matches_float64_attention_and_each_sequence_is_batch_invariant(lens, block_size, hkv, group, d, seed):
+    cache = make_paged_cache(lens, block_size, hkv, d, seed=seed)
+    q = torch.randn(len(lens), hkv * group, d, generator=torch.Generator().manual_seed(seed))
+    scale = d ** -0.5
+    got = cpu_decode_attention.paged_decode(q, cache.k_cache, cache.v_cache, cache.block_tables,
+                                            cache.context_lens, scale)
+    assert got.shape == q.shape and got.dtype == torch.float32
+    # fp32 dot products over d and an online softmax over the context: a few ulps of the largest terms
+    torch.testing.assert_close(got.double(), reference(q, cache.k_cache, cache.v_cache, cache, scale),
+                               rtol=1e-5, atol=1e-5)
+    for s in range(len(lens)):
+        alone = cpu_decode_attention.paged_decode(q[s:s + 1], cache.k_cache, cache.v_cache,
+                                                  cache.block_tables[s:s + 1], cache.context_lens[s:s + 1], scale)
+        assert torch.equal(alone[0], got[s])
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_an_int8_cache_reads_as_its_dequantized_values(block_size):
+    cache = make_paged_cache([1, 37, 90, 150], block_size, 2, 64, seed=block_size)
+    g = torch.Generator().manual_seed(3)
+    kc = torch.randint(-127, 128, cache.k_cache.shape, dtype=torch.int8, generator=g)
+    vc = torch.randint(-127, 128, cache.v_cache.shape, dtype=torch.int8, generator=g)
+    ks, vs = (torch.rand(kc.shape[0], 2, generator=g) * 0.02 + 1e-3 for _ in range(2))
+    q = torch.randn(4, 6, 64, generator=g)
+    got = cpu_decode_attention.paged_decode(q, kc, vc, cache.block_tables, cache.context_lens, 0.125, ks, vs)
+    want = reference(q, dequantize(kc, ks, torch.float64), dequantize(vc, vs, torch.float64), cache, 0.125)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_queries_as_the_engine_passes_them_a_view_of_the_fused_projection():
+    cache = make_paged_cache([20, 70], 16, 3, 64)
+    qk = torch.randn(2, 12, 64)  # 9 query heads then 3 key heads, as Attention.forward splits them
+    q = qk[:, :9]
+    assert not q.is_contiguous()
+    tables = cpu_decode_attention.DecodeTables(cache.block_tables, cache.context_lens)
+    assert torch.equal(tables.attend(q, cache.k_cache, cache.v_cache, 0.125),
+                       tables.attend(q.contiguous(), cache.k_cache, cache.v_cache, 0.125))
+
+
+def test_supports_says_which_calls_fit():
+    cache = torch.zeros(2, 16, 2, 64)
+    assert cpu_decode_attention.supports(torch.zeros(1, 4, 64), cache)
+    assert not cpu_decode_attention.supports(torch.zeros(1, 4, 64, dtype=torch.bfloat16), cache)
+    assert not cpu_decode_attention.supports(torch.zeros(1, 4, 60), torch.zeros(2, 16, 2, 60))  # d % 8
+    assert not cpu_decode_attention.supports(torch.zeros(1, 34, 64), cache)  # 17 query heads per KV head
+    assert not cpu_decode_attention.supports(torch.zeros(1, 4, 64), cache.half())
+
+
+def test_the_engine_decodes_through_it_unless_asked_for_the_torch_path(monkeypatch):
+    from engine_service.engine.attention import cpu_decode_attention_wanted
+
+    assert cpu_decode_attention_wanted()
+    monkeypatch.setenv("DECODELAB_ATTENTION_KERNEL", "torch")
+    assert not cpu_decode_attention_wanted()
+    monkeypatch.setenv("DECODELAB_ATTENTION_KERNEL", "fast")
+    with pytest.raises(ValueError, match="expected avx2 or torch"):
+        cpu_decode_attention_wanted()
