@@ -8,11 +8,13 @@ the CPU lacks AVX2 or FMA, there is no compiler, or the build fails; callers the
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -67,3 +69,48 @@ def build(name: str) -> tuple[ctypes.CDLL | None, str]:
         return ctypes.CDLL(str(out)), ""
     except OSError as e:
         return None, f"loading {out.name} failed: {e}"
+
+
+def enabled(why_not: str | None) -> bool:
+    """Whether the engine runs our AVX2 kernels for attention and the layer ops (cpu_decode_attention,
+    cpu_layer_ops): where they build (`why_not` is None), unless DECODELAB_CPU_KERNELS=torch asks for the PyTorch
+    paths; DECODELAB_CPU_KERNELS=avx2 insists (an error where they do not build)."""
+    forced = os.environ.get("DECODELAB_CPU_KERNELS", "")
+    if forced not in ("", "avx2", "torch"):
+        raise ValueError(f"DECODELAB_CPU_KERNELS: expected avx2 or torch, got {forced!r}")
+    if forced == "avx2" and why_not is not None:
+        raise ValueError(f"DECODELAB_CPU_KERNELS: avx2 does not run here ({why_not})")
+    return forced != "torch" and why_not is None
+
+
+class CKernel:
+    """One cpu_*.c library, built and loaded on first use, its functions declared (argtypes) by `declare`."""
+
+    def __init__(self, name: str, declare: Callable[[ctypes.CDLL], None]):
+        self.name, self._declare = name, declare
+
+    @functools.cached_property
+    def _loaded(self) -> tuple[ctypes.CDLL | None, str]:
+        lib, why = build(self.name)
+        if lib is not None:
+            self._declare(lib)
+        return lib, why
+
+    @property
+    def lib(self) -> ctypes.CDLL:
+        lib, why = self._loaded
+        if lib is None:
+            raise RuntimeError(f"kernels/{self.name}.c is not available: {why}")
+        return lib
+
+    def unavailable(self) -> str | None:
+        """None if the kernel runs here, else why not."""
+        return None if self._loaded[0] is not None else self._loaded[1]
+
+    @functools.cached_property
+    def _enabled(self) -> bool:
+        return enabled(self.unavailable())
+
+    def enabled(self) -> bool:
+        """enabled(self.unavailable()), read once."""
+        return self._enabled

@@ -12,7 +12,6 @@ at most 16 query heads per KV head). Anything else runs the torch path.
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
@@ -21,22 +20,16 @@ from kernels import _cbuild
 MAX_D, MAX_G = 256, 16  # as in the C source
 
 
-@functools.cache
-def _build() -> tuple[ctypes.CDLL | None, str]:
-    lib, why = _cbuild.build("cpu_decode_attention")
-    if lib is not None:
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        f = lib.dl_paged_decode
-        f.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ctypes.c_int, ptr, ptr, ptr, i64, ptr, i64,
-                      ctypes.c_float, ptr]
-        f.restype = None
-    return lib, why
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.dl_paged_decode.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ctypes.c_int, ptr, ptr, ptr, i64, ptr,
+                                    i64, ctypes.c_float, ptr]
+    lib.dl_paged_decode.restype = None
 
 
-def unavailable() -> str | None:
-    """None if the kernel runs here, else why not."""
-    lib, why = _build()
-    return None if lib is not None else why
+KERNEL = _cbuild.CKernel("cpu_decode_attention", _declare)
+unavailable = KERNEL.unavailable  # None if the kernel runs here, else why not
+enabled = KERNEL.enabled  # whether the engine should use it (it builds, and DECODELAB_CPU_KERNELS is not torch)
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -70,7 +63,7 @@ class DecodeTables:
         if b:
             quant = k_scale is not None
             bt, ldbt, lens = self._tables
-            _build()[0].dl_paged_decode(
+            KERNEL.lib.dl_paged_decode(
                 q.data_ptr(), q.stride(0), b, h, k_cache.shape[2], d, k_cache.data_ptr(), v_cache.data_ptr(),
                 int(quant), k_scale.data_ptr() if quant else None, v_scale.data_ptr() if quant else None,
                 bt, ldbt, lens, k_cache.shape[1], scale, out.data_ptr())
@@ -82,9 +75,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """As kernels.paged_decode_attention_torch: q [B, H, D] -> [B, H, D]; k_scale / v_scale [num_blocks, Hkv] for
     an int8 cache. Every context length must be >= 1 and every block id it covers valid (not checked here)."""
-    lib, why = _build()
-    if lib is None:
-        raise RuntimeError(f"kernels.cpu_decode_attention is not available: {why}")
+    if (why := unavailable()) is not None:
+        raise RuntimeError(f"kernels/cpu_decode_attention.c is not available: {why}")
     assert supports(q, k_cache), "see supports()"
     quant = k_cache.dtype == torch.int8
     assert quant == (k_scale is not None) and k_cache.is_contiguous() and v_cache.is_contiguous()

@@ -16,36 +16,25 @@ why not when the CPU lacks AVX2 or FMA, there is no compiler, or the build fails
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
 from kernels import _cbuild
 
 
-@functools.cache
-def _build() -> tuple[ctypes.CDLL | None, str]:
-    """(the loaded library, "") or (None, why not)."""
-    lib, why = _cbuild.build("cpu_int8")
-    if lib is not None:
-        f = lib.dl_int8_linear
-        f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
-        f.restype = None
-    return lib, why
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.dl_int8_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    lib.dl_int8_linear.restype = None
 
 
-def unavailable() -> str | None:
-    """None if the kernel runs here, else why not."""
-    lib, why = _build()
-    return None if lib is not None else why
+KERNEL = _cbuild.CKernel("cpu_int8", _declare)
+unavailable = KERNEL.unavailable  # None if the kernel runs here, else why not
 
 
 def linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] fp32 (CPU) @ q [N, K] int8 (contiguous), times scale [N] fp32, plus bias [N] fp32 -> [M, N] fp32."""
-    lib, why = _build()
-    if lib is None:
-        raise RuntimeError(f"kernels.cpu_int8 is not available: {why}")
+    lib = KERNEL.lib  # raises where it is not available
     assert q.dtype == torch.int8 and q.is_contiguous() and scale.dtype == torch.float32 and scale.is_contiguous()
     assert x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[1] == q.shape[1]
     x = x.contiguous()

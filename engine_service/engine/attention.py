@@ -8,7 +8,6 @@ of 8 and builds their block ids and length masks on every call, which at batch 1
 groups, same math as the kernel; tests/engine/test_attention_plan.py compares them). The KV store skips its
 padding check per layer the same way.
 """
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -171,20 +170,8 @@ class PagedAttention:
 
     def _use_cpu_decode(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         if self._cpu_decode is None:
-            self._cpu_decode = cpu_decode_attention_wanted() and cpu_decode_attention.supports(q, k_cache)
+            self._cpu_decode = cpu_decode_attention.enabled() and cpu_decode_attention.supports(q, k_cache)
         return self._cpu_decode
-
-
-def cpu_decode_attention_wanted() -> bool:
-    """Whether decode attention on the CPU runs our AVX2 kernel: where it builds, unless
-    DECODELAB_ATTENTION_KERNEL=torch asks for the torch path ("avx2" insists on the kernel)."""
-    forced = os.environ.get("DECODELAB_ATTENTION_KERNEL", "")
-    if forced not in ("", "avx2", "torch"):
-        raise ValueError(f"DECODELAB_ATTENTION_KERNEL: expected avx2 or torch, got {forced!r}")
-    why = cpu_decode_attention.unavailable() if forced != "torch" else "torch asked for"
-    if forced == "avx2" and why is not None:
-        raise ValueError(f"DECODELAB_ATTENTION_KERNEL: avx2 does not run here ({why})")
-    return why is None
 
 
 def _store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -17,7 +17,20 @@ def tiny_dir(request, tiny_llama_dir, tiny_qwen2_dir):
     return tiny_llama_dir if request.param == "llama" else tiny_qwen2_dir
 
 
-def test_batch_of_ragged_prompts_matches_hf(tiny_dir):
+@pytest.fixture(params=["avx2", "torch"])
+def cpu_kernels(request, monkeypatch):
+    """Both CPU paths for attention and the layer ops: our AVX2 kernels (where they build) and PyTorch's."""
+    from kernels import cpu_decode_attention, cpu_layer_ops
+
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_decode_attention, "enabled", lambda: False)
+        monkeypatch.setattr(cpu_layer_ops, "enabled", lambda: False)
+    elif cpu_layer_ops.unavailable() or cpu_decode_attention.unavailable():
+        pytest.skip("the AVX2 kernels do not build here")
+    return request.param
+
+
+def test_batch_of_ragged_prompts_matches_hf(tiny_dir, cpu_kernels):
     prompts = [random_prompt(n, seed=i) for i, n in enumerate([1, 5, 16, 17, 40, 70])]
     llm = LLM(str(tiny_dir), num_kv_blocks=256)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=24, **GREEDY))

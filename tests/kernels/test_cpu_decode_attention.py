@@ -76,14 +76,3 @@ def test_supports_says_which_calls_fit():
     assert not cpu_decode_attention.supports(torch.zeros(1, 4, 60), torch.zeros(2, 16, 2, 60))  # d % 8
     assert not cpu_decode_attention.supports(torch.zeros(1, 34, 64), cache)  # 17 query heads per KV head
     assert not cpu_decode_attention.supports(torch.zeros(1, 4, 64), cache.half())
-
-
-def test_the_engine_decodes_through_it_unless_asked_for_the_torch_path(monkeypatch):
-    from engine_service.engine.attention import cpu_decode_attention_wanted
-
-    assert cpu_decode_attention_wanted()
-    monkeypatch.setenv("DECODELAB_ATTENTION_KERNEL", "torch")
-    assert not cpu_decode_attention_wanted()
-    monkeypatch.setenv("DECODELAB_ATTENTION_KERNEL", "fast")
-    with pytest.raises(ValueError, match="expected avx2 or torch"):
-        cpu_decode_attention_wanted()

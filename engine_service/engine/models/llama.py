@@ -12,6 +12,7 @@ from engine_service.engine.attention import AttentionMetadata, PagedAttention
 from engine_service.engine.models.int8_linear import HeadWeight, Int8Weight, head_weight, smoothing_scales
 from engine_service.engine.models.loader import head_dim as head_dim_of
 from engine_service.engine.models.packed_linear import Linear, pack_weight, packed_linear
+from kernels import cpu_layer_ops
 
 
 class RMSNorm(nn.Module):
@@ -21,12 +22,21 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_layer_ops.enabled() and cpu_layer_ops.fits(x):
+            return cpu_layer_ops.rms_norm(x, self.weight, self.eps)[1]
         if x.dtype == torch.float32:  # one fused op; same math as HF's
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+    def add_forward(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + h, its norm): the residual add and the norm after it, one call on the CPU path."""
+        if cpu_layer_ops.enabled() and cpu_layer_ops.fits(x) and h.is_contiguous() and h.dtype == x.dtype:
+            return cpu_layer_ops.rms_norm(x, self.weight, self.eps, h)
+        x = x + h
+        return x, self(x)
 
 
 def rope_tables(config, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,12 +83,16 @@ class Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
 
     def forward(self, x, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
-        n = x.shape[0]
+        n, d, (q_size, kv_size, _) = x.shape[0], self.head_dim, self.sizes
         qkv = self.qkv_proj(x)
         # q and k are adjacent in the fused projection: rotate them in one go
-        qk = apply_rope(qkv[:, :self.sizes[0] + self.sizes[1]].view(n, -1, self.head_dim), cos, sin)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = qkv[:, self.sizes[0] + self.sizes[1]:].view(n, self.num_kv_heads, self.head_dim)
+        if cpu_layer_ops.enabled() and cpu_layer_ops.fits(qkv) and d % 2 == 0:
+            cpu_layer_ops.rope_(qkv, self.num_heads + self.num_kv_heads, d, cos, sin)  # in place: qkv is ours
+            q, k = qkv[:, :q_size].view(n, -1, d), qkv[:, q_size:q_size + kv_size].view(n, -1, d)
+        else:
+            qk = apply_rope(qkv[:, :q_size + kv_size].view(n, -1, d), cos, sin)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, q_size + kv_size:].view(n, self.num_kv_heads, d)
         o = self.attn(q, k, v, self.k_cache, self.v_cache, meta)
         return self.o_proj(o.reshape(n, -1))
 
@@ -90,7 +104,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if cpu_layer_ops.enabled() and cpu_layer_ops.fits(gate_up):
+            return self.down_proj(cpu_layer_ops.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -103,8 +120,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, cos, sin, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, y = self.post_attention_layernorm.add_forward(x, self.self_attn(self.input_layernorm(x), cos, sin, meta))
+        return x + self.mlp(y)
 
     @torch.no_grad()
     def smooth(self, amax: dict[nn.Module, torch.Tensor]) -> None:
