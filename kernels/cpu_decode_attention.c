@@ -138,3 +138,13 @@ void dl_paged_decode(const float* q, int64_t ldq, int64_t B, int64_t H, int64_t 
                  scale, op, 0);
     }
 }
+
+/* The step's new K/V rows into their cache slots (an fp32 cache): row i of k / v (row stride ldk / ldv, its Hkv * D
+   values contiguous) to slot slots[i]; one call instead of an index_copy_ per cache, a layer's store at batch 1 */
+void dl_store_kv(const float* k, int64_t ldk, const float* v, int64_t ldv, int64_t n, int64_t width,
+                 const int64_t* slots, float* k_cache, float* v_cache) {
+    for (int64_t i = 0; i < n; i++) {
+        memcpy(k_cache + slots[i] * width, k + i * ldk, width * sizeof(float));
+        memcpy(v_cache + slots[i] * width, v + i * ldv, width * sizeof(float));
+    }
+}

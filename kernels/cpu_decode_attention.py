@@ -25,6 +25,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dl_paged_decode.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ctypes.c_int, ptr, ptr, ptr, i64, ptr,
                                     i64, ctypes.c_float, ptr]
     lib.dl_paged_decode.restype = None
+    lib.dl_store_kv.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, ptr, ptr]
+    lib.dl_store_kv.restype = None
 
 
 KERNEL = _cbuild.CKernel("cpu_decode_attention", _declare)
@@ -85,3 +87,13 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         assert k_scale.dtype == v_scale.dtype == torch.float32
         k_scale, v_scale = k_scale.contiguous(), v_scale.contiguous()
     return DecodeTables(block_tables, context_lens).attend(q, k_cache, v_cache, scale, k_scale, v_scale)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """kernels.store_kvcache_torch for fp32 caches (contiguous) and valid slots (int64, contiguous, no -1): k, v
+    [N, Hkv, D] fp32, each token's Hkv x D values contiguous (a view of the fused projection is fine)."""
+    n, hkv, d = k.shape
+    if n:
+        KERNEL.lib.dl_store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), n, hkv * d, slots.data_ptr(),
+                               k_cache.data_ptr(), v_cache.data_ptr())

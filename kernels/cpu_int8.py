@@ -32,14 +32,30 @@ KERNEL = _cbuild.CKernel("cpu_int8", _declare)
 unavailable = KERNEL.unavailable  # None if the kernel runs here, else why not
 
 
+class Matrix:
+    """q [N, K] int8 (contiguous) with its scale [N] (and bias [N]) fp32, checked once: `m(x)` = linear(x, q, scale,
+    bias) with ~4 us less per call (121 calls in a SmolLM2 decode step)."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
+        assert q.dtype == torch.int8 and q.dim() == 2 and scale.dtype == torch.float32 and scale.shape == q.shape[:1]
+        assert bias is None or (bias.dtype == torch.float32 and bias.shape == q.shape[:1])
+        self.q, self.scale = q.contiguous(), scale.contiguous()
+        self.bias = None if bias is None else bias.contiguous()
+        self.n, self.k = q.shape
+        self._ptrs = (self.q.data_ptr(), self.scale.data_ptr(), None if bias is None else self.bias.data_ptr())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] fp32 on the CPU -> [M, N] fp32."""
+        assert x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[-1] == self.k
+        if not x.is_contiguous():
+            x = x.contiguous()
+        out = torch.empty(x.shape[0], self.n)
+        if x.shape[0]:
+            q, scale, bias = self._ptrs
+            KERNEL.lib.dl_int8_linear(x.data_ptr(), x.shape[0], self.k, q, scale, bias, out.data_ptr(), self.n)
+        return out
+
+
 def linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] fp32 (CPU) @ q [N, K] int8 (contiguous), times scale [N] fp32, plus bias [N] fp32 -> [M, N] fp32."""
-    lib = KERNEL.lib  # raises where it is not available
-    assert q.dtype == torch.int8 and q.is_contiguous() and scale.dtype == torch.float32 and scale.is_contiguous()
-    assert x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[1] == q.shape[1]
-    x = x.contiguous()
-    out = torch.empty(x.shape[0], q.shape[0], dtype=torch.float32)
-    if x.shape[0]:
-        lib.dl_int8_linear(x.data_ptr(), x.shape[0], q.shape[1], q.data_ptr(), scale.data_ptr(),
-                           None if bias is None else bias.data_ptr(), out.data_ptr(), q.shape[0])
-    return out
+    """x [M, K] fp32 (CPU) @ q [N, K] int8, times scale [N] fp32, plus bias [N] fp32 -> [M, N] fp32."""
+    return Matrix(q, scale, bias)(x)

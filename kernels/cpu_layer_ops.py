@@ -32,7 +32,7 @@ enabled = KERNEL.enabled  # whether the model should use them (they build, and D
 
 def fits(x: torch.Tensor) -> bool:
     """fp32 on the CPU with contiguous rows: what these functions take."""
-    return x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1
+    return x.dtype == torch.float32 and x.is_cpu and x.dim() == 2 and x.stride(1) == 1
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -138,12 +138,15 @@ class PagedAttention:
         # an int8 KV cache's scales [num_blocks, Hkv], bound by the model runner beside the caches
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
-        self._cpu_decode: bool | None = None  # decode through kernels/cpu_decode_attention.c (decided on first use)
+        # decode and the KV store through kernels/cpu_decode_attention.c (decided on first use: the model's dtypes
+        # and layouts do not change between steps)
+        self._cpu_decode: bool | None = None
+        self._cpu_store: bool | None = None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if self.torch_backend:
-            _store(k, v, k_cache, v_cache, meta, self.k_scale, self.v_scale)
+            _store(k, v, k_cache, v_cache, meta, self.k_scale, self.v_scale, self._use_cpu_store(k, v, k_cache))
         else:
             self.store(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         nd = meta.num_decode
@@ -167,6 +170,12 @@ class PagedAttention:
                                       self.k_scale, self.v_scale))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
+    def _use_cpu_store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        if self._cpu_store is None:
+            self._cpu_store = (cpu_decode_attention.enabled() and k.is_cpu and self.k_scale is None
+                               and k_cache.dtype == k.dtype == v.dtype == torch.float32
+                               and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (k, v)))
+        return self._cpu_store
 
     def _use_cpu_decode(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         if self._cpu_decode is None:
@@ -175,8 +184,10 @@ class PagedAttention:
 
 
 def _store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-           meta: AttentionMetadata, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
-    # kernels.store_kvcache_torch with the padding check done once per step (meta.store_slots)
+           meta: AttentionMetadata, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+           c_store: bool = False) -> None:
+    # kernels.store_kvcache_torch with the padding check done once per step (meta.store_slots); c_store: fp32 rows
+    # into an fp32 cache through cpu_decode_attention.store_kv (PagedAttention._use_cpu_store)
     slots, rows = meta.store_slots()
     if rows is not None:
         k, v = k[rows], v[rows]
@@ -185,5 +196,8 @@ def _store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             store_int8_torch(k, v, k_cache, v_cache, k_scale, v_scale, slots, meta.block_writes(k_cache.shape[1]))
         return
     hkv, d = k.shape[1:]
+    if c_store:
+        cpu_decode_attention.store_kv(k, v, k_cache, v_cache, slots)
+        return
     k_cache.view(-1, hkv, d).index_copy_(0, slots, k.to(k_cache.dtype))
     v_cache.view(-1, hkv, d).index_copy_(0, slots, v.to(v_cache.dtype))

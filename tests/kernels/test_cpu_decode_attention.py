@@ -76,3 +76,16 @@ def test_supports_says_which_calls_fit():
     assert not cpu_decode_attention.supports(torch.zeros(1, 4, 60), torch.zeros(2, 16, 2, 60))  # d % 8
     assert not cpu_decode_attention.supports(torch.zeros(1, 34, 64), cache)  # 17 query heads per KV head
     assert not cpu_decode_attention.supports(torch.zeros(1, 4, 64), cache.half())
+
+
+def test_store_kv_writes_what_the_torch_store_writes():
+    from kernels import store_kvcache_torch
+
+    cache = make_paged_cache([40], 16, 3, 64, spare_blocks=4)
+    qkv = torch.randn(5, 15 * 64)  # rows of the fused projection: q, then k, then v heads
+    k, v = qkv[:, 9 * 64:12 * 64].view(5, 3, 64), qkv[:, 12 * 64:].view(5, 3, 64)
+    slots = torch.tensor([3, 70, 71, 16, 100])
+    want_k, want_v = cache.k_cache.clone(), cache.v_cache.clone()
+    store_kvcache_torch(k, v, want_k, want_v, slots)
+    cpu_decode_attention.store_kv(k, v, cache.k_cache, cache.v_cache, slots)
+    assert torch.equal(cache.k_cache, want_k) and torch.equal(cache.v_cache, want_v)

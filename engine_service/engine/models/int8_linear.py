@@ -171,11 +171,11 @@ class Int8Weight:
             self.packed, self.qweight = _fbgemm_pack(q, self.scale), None  # fbgemm keeps its own copy of q
         else:
             self.packed, self.qweight = None, q.contiguous()
+        self.matrix = cpu_int8.Matrix(self.qweight, self.scale, self.bias) if kernel == "avx2" else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel == "avx2":
-            out = cpu_int8.linear(x.float(), self.qweight, self.scale, self.bias)
-            return out if x.dtype == torch.float32 else out.to(x.dtype)
+        if self.matrix is not None:
+            return self.matrix(x) if x.dtype == torch.float32 else self.matrix(x.float()).to(x.dtype)
         if self.kernel == "dequant":
             out = F.linear(x, self.qweight.to(x.dtype)) * self.scale.to(x.dtype)
             return out if self.bias is None else out + self.bias.to(x.dtype)
