@@ -51,7 +51,6 @@ class DecodeTables:
         if self.block_tables.stride(1) != 1:
             self.block_tables = self.block_tables.contiguous()
         self.context_lens = context_lens.to(torch.int32).contiguous()
-        self.b = len(context_lens)
         self._tables = (self.block_tables.data_ptr(), self.block_tables.stride(0), self.context_lens.data_ptr())
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
