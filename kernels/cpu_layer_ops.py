@@ -3,7 +3,7 @@
 
 Why: between its matmuls a decoder layer runs ~20 small PyTorch ops; at the few rows of a decode step each costs
 its own overhead (F.rms_norm ~16 us at one row of 576, RoPE ~16, SiLU * up ~10 on the 2-core AVX2 target), ~8 ms
-of a SmolLM2 step. Each op here is one call. The model uses them for fp32 on the CPU when `enabled()`
+of a SmolLM2 step. Each op here is one call. The model uses them where `applies()`
 (docs/kernels.md has the measurements). RoPE gives the same bits as model.apply_rope; RMSNorm and SiLU differ from
 PyTorch's in the last bits (their sums and exp are computed in another order).
 """
@@ -30,15 +30,16 @@ unavailable = KERNEL.unavailable  # None if the kernels run here, else why not
 enabled = KERNEL.enabled  # whether the model should use them (they build, and DECODELAB_CPU_KERNELS is not torch)
 
 
-def fits(x: torch.Tensor) -> bool:
-    """fp32 on the CPU with contiguous rows: what these functions take."""
-    return x.dtype == torch.float32 and x.is_cpu and x.dim() == 2 and x.stride(1) == 1
+def applies(x: torch.Tensor) -> bool:
+    """Whether the model should run these on x: enabled(), and x is what they take (fp32 rows on the CPU, each
+    row contiguous)."""
+    return enabled() and x.dtype == torch.float32 and x.is_cpu and x.dim() == 2 and x.stride(1) == 1
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, N] (fits) -> (s, rmsnorm(s) * weight) with s = x + residual, or x itself without one.
-    residual [M, N] contiguous fp32; weight [N] contiguous fp32."""
+    """x [M, N] (fp32 rows on the CPU, each row contiguous) -> (s, rmsnorm(s) * weight) with s = x + residual,
+    or x itself without one. residual [M, N] contiguous fp32; weight [N] contiguous fp32."""
     m, n = x.shape
     y = torch.empty(m, n)
     s = x if residual is None else torch.empty(m, n)
@@ -49,15 +50,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def rope_(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
-    """Rotates the first `heads` heads of each row of x [M, >= heads * head_dim] (fits) in place, as
-    model.apply_rope does: cos / signed_sin contiguous [M, ..., head_dim] fp32, head_dim even."""
+    """Rotates the first `heads` heads of each row of x [M, >= heads * head_dim] (fp32 rows, each contiguous) in
+    place, as model.apply_rope does: cos / signed_sin contiguous [M, ..., head_dim] fp32, head_dim even."""
     if x.shape[0]:
         KERNEL.lib.dl_rope(x.data_ptr(), x.stride(0), x.shape[0], heads, head_dim, cos.data_ptr(),
                             signed_sin.data_ptr())
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [M, 2I] (fits; gate then up) -> silu(gate) * up [M, I]."""
+    """gate_up [M, 2I] (fp32 rows, each contiguous; gate then up) -> silu(gate) * up [M, I]."""
     m, i = gate_up.shape[0], gate_up.shape[1] // 2
     y = torch.empty(m, i)
     if m:

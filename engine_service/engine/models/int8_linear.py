@@ -7,10 +7,10 @@ picks one:
   run): weight-only int8 (|q| <= 127), fp32 activations, our own kernel (kernels/cpu_int8.c, built on first
   use). Exact products with the int8 weight, nothing calibrated, every matmul and the LM head in int8, each row's
   result independent of the others of its step. On the 2-core AVX2 target (docs/kernels.md) the 121 matmuls of a
-  SmolLM2 decode step take 8.1 ms instead of fbgemm's ~16 at 1 row and 20 vs 22 at 8 rows; single stream 50.5
-  tok/s instead of 34.4, perplexity +0.20% instead of +0.44%. But its fp32 multiply-adds cost more CPU at 8 rows
-  and more: the four-mode playground with a browser on the same cores ran 5.8-6.0 s instead of 5.2-5.4, and
-  prefill-heavy batches run slower, so the default stays fbgemm.
+  SmolLM2 decode step take 8.1 ms instead of fbgemm's ~16 at 1 row and 20 vs 22 at 8 rows; single stream 74.8
+  tok/s instead of 44.8 (0.53x llama.cpp instead of 0.32x), perplexity +0.20% instead of +0.44%. But its fp32
+  multiply-adds cost more CPU at 8 rows and more: the four-mode playground with a browser on the same cores ran
+  4.86 / 4.57 s against fbgemm's 4.25 / 4.58, and prefill-heavy batches run slower, so the default stays fbgemm.
 - "fbgemm" (x86 CPUs with AVX2 or better; the CPU default): weights and activations in int8 through
   PyTorch's quantized engine (fbgemm). `quantized.linear_prepack` reorders the int8 weight once; each call
   quantizes its fp32 input to uint8, multiplies with int32 accumulation and scales back to fp32. It was the

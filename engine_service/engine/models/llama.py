@@ -22,7 +22,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if cpu_layer_ops.enabled() and cpu_layer_ops.fits(x):
+        if cpu_layer_ops.applies(x):
             return cpu_layer_ops.rms_norm(x, self.weight, self.eps)[1]
         if x.dtype == torch.float32:  # one fused op; same math as HF's
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -33,7 +33,7 @@ class RMSNorm(nn.Module):
 
     def add_forward(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + h, its norm): the residual add and the norm after it, one call on the CPU path."""
-        if cpu_layer_ops.enabled() and cpu_layer_ops.fits(x) and h.is_contiguous() and h.dtype == x.dtype:
+        if cpu_layer_ops.applies(x) and h.is_contiguous() and h.dtype == x.dtype:
             return cpu_layer_ops.rms_norm(x, self.weight, self.eps, h)
         x = x + h
         return x, self(x)
@@ -86,7 +86,7 @@ class Attention(nn.Module):
         n, d, (q_size, kv_size, _) = x.shape[0], self.head_dim, self.sizes
         qkv = self.qkv_proj(x)
         # q and k are adjacent in the fused projection: rotate them in one go
-        if cpu_layer_ops.enabled() and cpu_layer_ops.fits(qkv) and d % 2 == 0:
+        if cpu_layer_ops.applies(qkv) and d % 2 == 0:
             cpu_layer_ops.rope_(qkv, self.num_heads + self.num_kv_heads, d, cos, sin)  # in place: qkv is ours
             q, k = qkv[:, :q_size].view(n, -1, d), qkv[:, q_size:q_size + kv_size].view(n, -1, d)
         else:
@@ -105,7 +105,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if cpu_layer_ops.enabled() and cpu_layer_ops.fits(gate_up):
+        if cpu_layer_ops.applies(gate_up):
             return self.down_proj(cpu_layer_ops.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
