@@ -21,6 +21,7 @@ from web.session import Service  # noqa: E402
 CSS_PATH = Path(__file__).with_name("style.css")
 JS_PATH = Path(__file__).with_name("branching.js")  # click a token: its alternatives, pick one to branch
 TIPS_PATH = Path(__file__).with_name("tips.js")  # hover a token: its card, drawn from its data-* facts on demand
+NEWEST_PATH = Path(__file__).with_name("newest.js")  # a column keeps its newest drawing when frames cross
 # the shading is the stylesheet's choice (style.css): no round trip, no re-render
 SHADE_JS = "(v) => { document.documentElement.dataset.shade = v; return []; }"
 DEFAULTS = Settings()
@@ -190,7 +191,7 @@ def build_app(service: Service) -> gr.Blocks:
 
 def page_js() -> str:
     """The page's scripts as the one function Gradio runs on load."""
-    return f"() => {{ ({JS_PATH.read_text()})(); ({TIPS_PATH.read_text()})(); }}"
+    return "() => { " + " ".join(f"({p.read_text()})();" for p in (JS_PATH, TIPS_PATH, NEWEST_PATH)) + " }"
 
 
 def launch(demo: gr.Blocks, host: str, port: int, **kw):

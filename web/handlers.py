@@ -109,11 +109,15 @@ class Handlers:
             spec = m == "speculative"
             version = (run.trees[m].version, cols["greedy"].version if spec else 0,
                        run.rival.version if spec and run.rival else 0)
-            if seen.get(m) == version and not final:
-                htmls.append(gr.skip())
+            drawn = seen.get(m)
+            if drawn is not None and drawn[0] == version:
+                # unchanged: the last frame (what the API returns) has every column, as the same string with its
+                # old stamp, so the page does not redraw it (a hover card stays) nor put it over a newer drawing
+                htmls.append(drawn[1] if final else gr.skip())
                 continue
-            seen[m] = version
-            htmls.append(column_html(cols[m], cols["greedy"], k, run.trees[m], run.rival if spec else None))
+            html = column_html(cols[m], cols["greedy"], k, run.trees[m], run.rival if spec else None)
+            seen[m] = (version, html)
+            htmls.append(html)
         kv = kv_panel_html(run.kv, run.owners(), run.kv_peak, running=not final)
         if kv == seen.get("kv") and not final:
             kv = gr.skip()

@@ -1,12 +1,13 @@
 """HTML for one column: status, metrics, the token view (probability + top alternatives on hover), beams, samples,
 and the column's branch tree.
 
-Tokens of the main text carry what the click-to-branch script (web/branching.js) needs: `data-pos` (position in
-the branch's full token list) and `data-alts` (the top alternatives as JSON [[id, text, p], ...]); the column
-carries `data-mode` and `data-branch`. A token's hover card is drawn by web/tips.js on hover from the token's
-facts: `data-alts` and `data-id`, `data-lp` (log-prob), `data-h` (entropy), `data-k` (the probability a grammar
-masked) and `data-d` (a speculative draft check, `_draft_data`); its kind of speculative token is its `m-` class.
-Each token also carries its shadings, `--u` (1 - p), `--h` (entropy / ENTROPY_SCALE) and, under a
+Tokens of the main text carry what the click-to-branch script (web/branching.js) needs: `data-pos` (position in the
+branch's full token list) and `data-alts` (the top alternatives as JSON [[id, text, p], ...]); the column carries
+`data-mode`, `data-branch` and `data-seq`, a stamp larger on every drawing (web/newest.js keeps a column's newest
+drawing when two handlers' frames reach the page out of order). A token's hover card is drawn by web/tips.js on
+hover from the token's facts: `data-alts` and `data-id`, `data-lp` (log-prob), `data-h` (entropy), `data-k` (the
+probability a grammar masked) and `data-d` (a speculative draft check, `_draft_data`); its kind of speculative token
+is its `m-` class. Each token also carries its shadings, `--u` (1 - p), `--h` (entropy / ENTROPY_SCALE) and, under a
 grammar, `--k` (the probability it masked): the "Shade tokens by" toggle only switches which one the stylesheet
 uses, so it needs no re-render.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from html import escape
 
 from shared.protocol import DraftCheck
@@ -25,6 +27,17 @@ MODE_COLORS = {"greedy": "#2563eb", "beam": "#7c3aed", "sample": "#d97706", "spe
 STATUS = {"idle": "ready", "waiting": "waiting for the shared prompt", "queued": "queued", "running": "streaming",
           "done": "done", "error": "error", "cancelled": "stopped", "invalid": "check the settings", "off": "off"}
 ENTROPY_SCALE = 5.0  # nats shaded at full strength (e^5 ~ 150 equally likely tokens)
+_last_stamp = 0
+
+
+def drawing_stamp() -> int:
+    """Larger than every stamp before it: microseconds of the wall clock, so a restarted web server's drawings
+    still count as newer on a page left open (and stay exact as JavaScript numbers)."""
+    global _last_stamp
+    _last_stamp = max(_last_stamp + 1, time.time_ns() // 1000)
+    return _last_stamp
+
+
 def _num(x: float | None, fmt: str, unit: str = "") -> str:
     return "–" if x is None or not math.isfinite(x) else f"{x:{fmt}}{unit}"
 
@@ -251,7 +264,7 @@ def column_html(col: Column, greedy: Column | None = None, spec_k: int = 4, tree
         col = branch.column
     color = MODE_COLORS.get(col.mode, "#64748b")
     parts = [f'<div class="dl-col" style="--mode:{color}" data-mode="{col.mode}" data-status="{col.status}" '
-             f'data-branch="{branch.id if branch else 0}">',
+             f'data-branch="{branch.id if branch else 0}" data-seq="{drawing_stamp()}">',
              f'<div class="hd">{_pill(col)}</div>', tree_html(tree) if tree is not None else "", metrics_html(col)]
     if col.mode == "speculative":
         parts.append(_spec_html(col, greedy, spec_k, rival))

@@ -115,3 +115,33 @@ def test_a_branch_that_ends_while_its_caller_draws_still_gets_its_final_frame():
 
     seen = asyncio.run(main())
     assert seen[-1] == "done", seen
+
+
+def test_every_drawing_of_a_column_is_stamped_later_than_the_one_before():
+    col = _column("greedy", [" a", " b"])
+    stamps = [int(re.search(r'data-seq="(\d+)"', column_html(col)).group(1)) for _ in range(1000)]
+    assert all(b > a for a, b in zip(stamps, stamps[1:]))
+    assert stamps[-1] < 2 ** 53  # exact as a JavaScript number
+
+
+def test_the_runs_last_frame_sends_an_unchanged_column_as_drawn_before():
+    """The last frame (what the API returns) has every column; one unchanged since its last drawing goes as the
+    same string, old stamp and all: the page neither redraws it (an open hover card stays) nor lets it land over a
+    branch drawn since (web/newest.js)."""
+    import gradio as gr
+
+    from web.handlers import Handlers
+    from web.modes import MODES, Settings
+    from web.session import Run, Service
+
+    service = Service("redis://127.0.0.1:1")
+    handlers, run = Handlers(service), Run(service, Settings(prompt="x"))
+    run.columns["greedy"].feed(TokenEvent(request_id="r", seq=0, text_delta=" a", token_ids=[5]))
+    seen: dict = {}
+    first = handlers._frame(run, seen)[1:1 + len(MODES)]
+    assert handlers._frame(run, seen)[1:1 + len(MODES)] == (gr.skip(),) * len(MODES)
+    assert handlers._frame(run, seen, final=True)[1:1 + len(MODES)] == first
+    run.columns["greedy"].feed(TokenEvent(request_id="r", seq=1, text_delta=" b", token_ids=[6]))
+    last = handlers._frame(run, seen, final=True)[1:1 + len(MODES)]
+    changed = {m for m, a, b in zip(MODES, first, last) if a != b}
+    assert changed == {"greedy", "speculative"}  # speculative is drawn against greedy's tokens

@@ -103,3 +103,39 @@ def test_branching_while_the_run_streams_breaks_neither(tiny_stack, page):
     expect(col).to_have_attribute("data-branch", "0", timeout=2_000)
     assert len(texts(page)) == 150
     assert page.errors == []
+
+
+NEWER_THEN_OLDER_JS = """async () => {
+    const col = document.querySelector('#out-greedy .dl-col');
+    const pause = () => new Promise((r) => setTimeout(r, 50));
+    const seq = Number(col.dataset.seq);
+    col.dataset.seq = String(seq + 10);  // a drawing made later...
+    col.dataset.status = 'done';
+    col.querySelector('.txt').insertAdjacentHTML('beforeend', '<b class="probe">newer</b>');
+    await pause();
+    col.dataset.seq = String(seq + 5);  // ...then one made before it, arriving after it
+    col.dataset.status = 'running';
+    col.querySelector('.probe').textContent = 'older';
+    await pause();
+    return [col.dataset.seq === String(seq + 10), col.dataset.status, col.querySelector('.probe').textContent];
+}"""
+
+
+def test_a_column_keeps_its_newest_drawing_when_frames_cross(tiny_stack, page):
+    """web/newest.js: Run and a branch's stream both draw a column, and Gradio sends a stream's last frame again
+    when it completes, so an older frame can land after a newer one; the page puts the newer one back."""
+    web, _, _ = tiny_stack
+    run_raw_prompt(page, web.url, 6)
+    wait_columns_final(page, 60_000)
+    col = page.locator("#out-greedy .dl-col")
+    seqs = [col.get_attribute("data-seq"), None]
+    while seqs[-1] != seqs[-2]:  # the run's last frames (the same drawing, stamped later) are in
+        page.wait_for_timeout(500)
+        seqs.append(col.get_attribute("data-seq"))
+    assert page.evaluate(NEWER_THEN_OLDER_JS) == [True, "done", "newer"]
+    page.locator(f'{MAIN}[data-pos="2"]').click()  # a real frame after that (stamped later) is drawn as usual
+    page.locator("#dl-pop .alt").nth(1).click()
+    expect(col).to_have_attribute("data-branch", "1", timeout=5_000)
+    expect(col).to_have_attribute("data-status", "done", timeout=30_000)
+    assert len(texts(page)) > 3
+    assert page.errors == []
