@@ -84,3 +84,45 @@ void dl_silu_mul(const float* gu, int64_t ldg, int64_t M, int64_t I, float* y) {
         for (; i < I; i++) yr[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
 }
+
+/* Around fbgemm's int8 matmul (engine_service/engine/models/int8_linear.py): r[m] = max(max |x_m|, 1e-30) and
+   xn_m = x_m / r[m] for each of the M rows of x [M, N] (row stride ldx), xn [M, N] contiguous. The same division
+   as PyTorch's x / r: the same bits. */
+void dl_row_absmax_div(const float* x, int64_t ldx, int64_t M, int64_t N, float* xn, float* r) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t m = 0; m < M; m++) {
+        const float* xr = x + m * ldx;
+        __m256 mx = _mm256_setzero_ps();
+        int64_t n = 0;
+        for (; n + 8 <= N; n += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(xr + n)));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        float a = _mm_cvtss_f32(h);
+        for (; n < N; n++) a = fmaxf(a, fabsf(xr[n]));
+        a = fmaxf(a, 1e-30f);
+        r[m] = a;
+        __m256 av = _mm256_set1_ps(a);
+        float* yr = xn + m * N;
+        for (n = 0; n + 8 <= N; n += 8) _mm256_storeu_ps(yr + n, _mm256_div_ps(_mm256_loadu_ps(xr + n), av));
+        for (; n < N; n++) yr[n] = xr[n] / a;
+    }
+}
+
+/* y [M, N] (contiguous) = y * r[m] in place, or b[n] + y * r[m] (one FMA) when b is not NULL: undoes
+   dl_row_absmax_div after the matmul, the same bits as PyTorch's out * r and addcmul(b, out, r) */
+void dl_row_scale(float* y, int64_t M, int64_t N, const float* r, const float* b) {
+    for (int64_t m = 0; m < M; m++) {
+        float* yr = y + m * N;
+        __m256 rv = _mm256_set1_ps(r[m]);
+        int64_t n = 0;
+        if (b) {
+            for (; n + 8 <= N; n += 8)
+                _mm256_storeu_ps(yr + n, _mm256_fmadd_ps(_mm256_loadu_ps(yr + n), rv, _mm256_loadu_ps(b + n)));
+            for (; n < N; n++) yr[n] = fmaf(yr[n], r[m], b[n]);
+        } else {
+            for (; n + 8 <= N; n += 8) _mm256_storeu_ps(yr + n, _mm256_mul_ps(_mm256_loadu_ps(yr + n), rv));
+            for (; n < N; n++) yr[n] = yr[n] * r[m];
+        }
+    }
+}

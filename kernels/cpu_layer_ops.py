@@ -1,5 +1,5 @@
-"""RMSNorm (with the residual add), RoPE in place and SiLU(gate) * up on x86 CPUs with AVX2 + FMA
-(`cpu_layer_ops.c`), built on first use (kernels/_cbuild.py).
+"""RMSNorm (with the residual add), RoPE in place, SiLU(gate) * up, and the row scaling around fbgemm's int8
+matmul on x86 CPUs with AVX2 + FMA (`cpu_layer_ops.c`), built on first use (kernels/_cbuild.py).
 
 Why: between its matmuls a decoder layer runs ~20 small PyTorch ops; at the few rows of a decode step each costs
 its own overhead (F.rms_norm ~16 us at one row of 576, RoPE ~16, SiLU * up ~10 on the 2-core AVX2 target), ~8 ms
@@ -21,7 +21,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dl_rms_norm.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
     lib.dl_rope.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr]
     lib.dl_silu_mul.argtypes = [ptr, i64, i64, i64, ptr]
-    for f in (lib.dl_rms_norm, lib.dl_rope, lib.dl_silu_mul):
+    lib.dl_row_absmax_div.argtypes = [ptr, i64, i64, i64, ptr, ptr]
+    lib.dl_row_scale.argtypes = [ptr, i64, i64, ptr, ptr]
+    for f in (lib.dl_rms_norm, lib.dl_rope, lib.dl_silu_mul, lib.dl_row_absmax_div, lib.dl_row_scale):
         f.restype = None
 
 
@@ -63,4 +65,22 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     y = torch.empty(m, i)
     if m:
         KERNEL.lib.dl_silu_mul(gate_up.data_ptr(), gate_up.stride(0), m, i, y.data_ptr())
+    return y
+
+
+def row_absmax_div(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, N] (fp32 rows, each contiguous) -> (x / r, r [M, 1]) with r = max(row max |x|, 1e-30): fbgemm's int8
+    input on the grid [-1, 1] (int8_linear.py), the same bits as x / x.abs().amax(1, keepdim=True).clamp_min(1e-30)."""
+    m, n = x.shape
+    xn, r = torch.empty(m, n), torch.empty(m, 1)
+    if m:
+        KERNEL.lib.dl_row_absmax_div(x.data_ptr(), x.stride(0), m, n, xn.data_ptr(), r.data_ptr())
+    return xn, r
+
+
+def row_scale_(y: torch.Tensor, r: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y [M, N] contiguous fp32 -> y * r (r [M, 1]) in place, then + bias [N] (contiguous fp32) when given."""
+    if y.shape[0]:
+        KERNEL.lib.dl_row_scale(y.data_ptr(), y.shape[0], y.shape[1], r.data_ptr(),
+                                None if bias is None else bias.data_ptr())
     return y

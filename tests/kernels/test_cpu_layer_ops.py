@@ -67,3 +67,21 @@ def test_silu_of_large_gates_stays_finite():
     gu = torch.tensor([[-200.0, -90.0, 0.0, 90.0, 200.0] * 2])
     got = cpu_layer_ops.silu_mul(gu)
     torch.testing.assert_close(got, F.silu(gu[:, :5]) * gu[:, 5:])
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(0, 9), n=st.integers(1, 80), pad=st.integers(0, 5), zero_row=st.booleans(),
+       bias=st.booleans(), out=st.integers(1, 40), seed=st.integers(0, 10_000))
+@example(rows=8, n=576, pad=0, zero_row=False, bias=True, out=960, seed=0)  # SmolLM2's qkv (Qwen2 has a bias)
+def test_the_row_scaling_around_fbgemm_is_pytorchs_bit_for_bit(rows, n, pad, zero_row, bias, out, seed):
+    """int8_linear's fbgemm path: x / r with r the row's max |x| (at least 1e-30), and y * r (+ bias) after."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, n + pad, generator=g)[:, :n] * torch.rand(rows, 1, generator=g) * 50
+    if zero_row and rows:
+        x[0] = 0
+    xn, r = cpu_layer_ops.row_absmax_div(x)
+    want_r = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-30) if rows else torch.empty(0, 1)
+    assert torch.equal(r, want_r) and torch.equal(xn, x / want_r)
+    y, b = torch.randn(rows, out, generator=g), torch.randn(out, generator=g) if bias else None
+    want = y * r if b is None else torch.addcmul(b, y, r)
+    assert cpu_layer_ops.row_scale_(y, r, b) is y and torch.equal(y, want)

@@ -48,7 +48,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_int8
+from kernels import cpu_int8, cpu_layer_ops
 
 KERNELS = ("avx2", "fbgemm", "dequant")
 QMAX = {"avx2": 127, "fbgemm": 63, "dequant": 127}
@@ -182,6 +182,10 @@ class Int8Weight:
         if x.shape[0] == 0:
             return x.new_empty(0, self.out_features)
         x32 = x.float()
+        if cpu_layer_ops.applies(x32):  # the same values in two C calls instead of ~6 ops (~30 us a call here)
+            xn, r = cpu_layer_ops.row_absmax_div(x32)
+            out = cpu_layer_ops.row_scale_(_grid_linear(xn, self.packed), r, self.bias)
+            return out if x.dtype == torch.float32 else out.to(x.dtype)
         # row max |x|; abs().amax is the same value as vector_norm(inf) at 1/3-1/7 of its time for 8 rows
         r = x32.abs().amax(dim=1, keepdim=True).clamp_min_(1e-30)
         out = _grid_linear(x32 / r, self.packed)
