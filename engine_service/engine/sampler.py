@@ -14,6 +14,7 @@ import torch
 
 from engine_service.engine.sampling_params import SAMPLING_EPS, SamplingParams
 from engine_service.engine.structured import GrammarMask, apply_mask, masked_mass
+from kernels import cpu_logits
 
 
 @dataclass
@@ -212,7 +213,10 @@ def process_logits(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
-    raw_logprobs = logits.log_softmax(dim=1)
+    # the raw log-probs' statistics in two C passes where it runs (kernels/cpu_logits.c); a grammar's masked mass
+    # needs the full log-prob rows
+    stats = cpu_logits.logit_stats(logits, b.num_logprobs) if b.grammar is None and cpu_logits.applies(logits) else None
+    raw_logprobs = logits.log_softmax(dim=1) if stats is None else None
     processed = process_logits(logits.clone() if any(b.banned_tokens) or b.grammar is not None else logits, b)
     tokens = processed.argmax(dim=1)
     rows = (b.temperature >= SAMPLING_EPS).nonzero().flatten().tolist()  # sampled rows (the batch is on the CPU)
@@ -230,6 +234,11 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
             if gen is not None:  # drawn where the generator lives: a seed gives the same noise on any device
                 noise[i] = exponential((probs.shape[1],), gen, gen.device).to(probs.dtype)
         tokens[rows] = (probs / noise).argmax(dim=1)
+    if stats is not None:  # logits is unchanged: process_logits wrote to a clone, or to new tensors
+        lse, ent, top_ids, top_lp = stats
+        chosen = logits.gather(1, tokens[:, None]).squeeze(1) - lse
+        return SamplerOutput(tokens, chosen, top_ids if b.num_logprobs > 0 else None,
+                             top_lp if b.num_logprobs > 0 else None, ent if b.entropy else None)
     chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
     top_ids = top_lp = None
     if b.num_logprobs > 0:
@@ -240,6 +249,10 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
 
 def entropy(logprobs: torch.Tensor) -> torch.Tensor:
     """-(p * log p) summed over the last dim, in nats, from log-probabilities (-inf entries count 0)."""
+    rows = logprobs.view(1, -1) if logprobs.dim() == 1 and logprobs.is_contiguous() else logprobs
+    if cpu_logits.applies(rows):  # two passes in C instead of four ops over the vocabulary
+        ent = cpu_logits.logit_stats(rows, 0)[1]
+        return ent[0] if logprobs.dim() == 1 else ent
     p = logprobs.exp()
     return -(p * logprobs.masked_fill(p == 0, 0.0)).sum(dim=-1)
 

@@ -19,12 +19,14 @@ def tiny_dir(request, tiny_llama_dir, tiny_qwen2_dir):
 
 @pytest.fixture(params=["avx2", "torch"])
 def cpu_kernels(request, monkeypatch):
-    """Both CPU paths for attention and the layer ops: our AVX2 kernels (where they build) and PyTorch's."""
-    from kernels import cpu_decode_attention, cpu_layer_ops
+    """Both CPU paths for attention, the layer ops and the sampler's log-prob statistics: our AVX2 kernels
+    (where they build) and PyTorch's."""
+    from kernels import cpu_decode_attention, cpu_layer_ops, cpu_logits
 
     if request.param == "torch":
         monkeypatch.setattr(cpu_decode_attention, "enabled", lambda: False)
         monkeypatch.setattr(cpu_layer_ops, "enabled", lambda: False)
+        monkeypatch.setattr(cpu_logits, "enabled", lambda: False)
     elif cpu_layer_ops.unavailable() or cpu_decode_attention.unavailable():
         pytest.skip("the AVX2 kernels do not build here")
     return request.param
