@@ -65,7 +65,8 @@ def _batch(cases: list[dict], num_logprobs: int) -> SamplingBatch:
     rows = len(cases)
     return SamplingBatch(
         temperature=torch.tensor([c.get("temperature", 0.0) for c in cases]),
-        top_k=torch.tensor([c.get("top_k", -1) for c in cases]), top_p=torch.tensor([c.get("top_p", 1.0) for c in cases]),
+        top_k=torch.tensor([c.get("top_k", -1) for c in cases]),
+        top_p=torch.tensor([c.get("top_p", 1.0) for c in cases]),
         min_p=torch.zeros(rows), repetition_penalty=torch.ones(rows), seen_tokens=None,
         banned_tokens=[c.get("banned", []) for c in cases],
         generators=[torch.Generator().manual_seed(i) for i in range(rows)], num_logprobs=num_logprobs, entropy=True)
