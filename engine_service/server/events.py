@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 
 from engine_service.server.jobs import Job
 from shared.protocol import (
@@ -22,6 +23,21 @@ from shared.protocol import (
     TokenEvent,
     TokenLogprob,
 )
+
+_TEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {token id: its text alone}
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    """tokenizer.decode([token_id]), remembered per tokenizer: a four-mode step names ~30 tokens (each token and its
+    top alternatives), and one HF decode call costs ~10-20 us on the 2-core target."""
+    try:
+        texts = _TEXTS.setdefault(tokenizer, {})
+    except TypeError:  # a tokenizer that takes no weak reference: decode every time
+        return tokenizer.decode([token_id])
+    text = texts.get(token_id)
+    if text is None:
+        text = texts[token_id] = tokenizer.decode([token_id])
+    return text
 
 
 def _finite(values: list[float | None] | None, i: int) -> float | None:
@@ -38,8 +54,8 @@ def token_logprobs(tokenizer, token_ids: list[int], entries: list[dict[int, floa
     out = []
     for i, (tid, top) in enumerate(zip(token_ids, entries)):
         ranked = sorted(top.items(), key=lambda kv: -kv[1])
-        out.append(TokenLogprob(token_id=tid, token=tokenizer.decode([tid]), logprob=lp(top.get(tid, float("-inf"))),
-                                top=[(t, tokenizer.decode([t]), lp(v)) for t, v in ranked],
+        out.append(TokenLogprob(token_id=tid, token=token_text(tokenizer, tid), logprob=lp(top.get(tid, float("-inf"))),
+                                top=[(t, token_text(tokenizer, t), lp(v)) for t, v in ranked],
                                 entropy=_finite(entropies, i), masked=_finite(masked, i)))
     return out
 
@@ -54,10 +70,10 @@ def draft_checks(tokenizer, drafts: list[dict | None] | None) -> list[DraftCheck
             out.append(None)
             continue
         d = dict(d)
-        d["draft_token"] = tokenizer.decode([d["draft_token_id"]])
+        d["draft_token"] = token_text(tokenizer, d["draft_token_id"])
         if d.get("residual_token_id") is not None:
-            d["residual_token"] = tokenizer.decode([d["residual_token_id"]])
-        d["residual_top"] = [(t, tokenizer.decode([t]), p) for t, p in d.get("residual_top") or []]
+            d["residual_token"] = token_text(tokenizer, d["residual_token_id"])
+        d["residual_top"] = [(t, token_text(tokenizer, t), p) for t, p in d.get("residual_top") or []]
         out.append(DraftCheck(**d))
     return out
 
@@ -66,13 +82,13 @@ def beam_events(tokenizer, events: list[dict] | None) -> list[BeamEvent] | None:
     """The engine's beam-tree changes (RequestOutput.beam_events) with the tokens' text."""
     if not events:
         return None
-    return [BeamEvent(**e, token=tokenizer.decode([e["token_id"]]) if e.get("token_id") is not None else None)
+    return [BeamEvent(**e, token=token_text(tokenizer, e["token_id"]) if e.get("token_id") is not None else None)
             for e in events]
 
 
 def prompt_scores(tokenizer, prompt_ids: list[int], entries: list[dict[int, float] | None]) -> PromptScores:
     """The engine's RequestOutput.prompt_logprobs (None, then one dict per prompt token) as protocol records."""
-    first = TokenLogprob(token_id=prompt_ids[0], token=tokenizer.decode([prompt_ids[0]]), logprob=None)
+    first = TokenLogprob(token_id=prompt_ids[0], token=token_text(tokenizer, prompt_ids[0]), logprob=None)
     return PromptScores(text=tokenizer.decode(prompt_ids),
                         logprobs=[first, *token_logprobs(tokenizer, prompt_ids[1:], entries[1:])])
 
