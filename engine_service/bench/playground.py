@@ -13,6 +13,9 @@
    the four requests together, in one LLMEngine.
 The API streams a beam request's outputs once final (an append-only stream cannot show beams overtaking each
 other), so there its TTFT is the whole run and it has no TPOT.
+Every path runs play's configuration unless told otherwise (server/play.apply_play_defaults: on a CPU int8 weights
+and one core left to the web UI and the browser, `--threads` cores - 1; the stack's OpenMP threads sleep while
+they wait, OMP_WAIT_POLICY=PASSIVE).
 Medians over --repeats runs of each. Writes benchmarks/results/playground.json and playground.png.
 """
 from __future__ import annotations
@@ -100,6 +103,7 @@ def _stack(args):
     stack = Stack()
     stack.redis = RedisServer().start()
     env = dict(os.environ, REDIS_URL=stack.redis.url)
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as play
     engine_url, web_url = f"http://127.0.0.1:{args.engine_port}", f"http://127.0.0.1:{args.web_port}"
     stack.spawn("engine", [sys.executable, "-m", "engine_service.cli", "engine", *engine_argv(args),
                            "--port", str(args.engine_port), "--served-model-name", "playground"], env)
@@ -259,6 +263,9 @@ def _breakdown(args, requests: dict) -> dict:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from engine_service.server.play import apply_play_defaults
+
+    apply_play_defaults(args)  # what play runs unless told otherwise: int8 weights and one core left on a CPU
     requests = _requests(args)
     paths = args.paths.split(",")
     results = {"benchmark": "playground", "model": args.model, "prompt": args.prompt, "max_tokens": args.max_tokens,

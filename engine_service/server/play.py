@@ -40,9 +40,17 @@ def engine_argv(args) -> list[str]:
 def apply_play_defaults(args) -> None:
     """On a CPU, play runs int8 weights unless told otherwise (`--quantization none`: the float weights): the
     fastest configuration whose quality passed, chosen by `decodelab bench playground` and `bench quality`
-    (docs/benchmarks.md). On a GPU the float weights stay the default (int8 there is weight-only, for memory)."""
-    if args.quantization is None and resolve_device(args.device) == "cpu":
+    (docs/benchmarks.md). On a GPU the float weights stay the default (int8 there is weight-only, for memory).
+
+    On a CPU the engine also leaves one core to the web UI and the browser that play's user opens on the same
+    machine (`--threads` unless given): on the 2-core target, the four-mode run with the browser took 3.87 /
+    4.08 s on one engine thread against 4.39 / 4.41 s on two (bench playground, browser path, session 15)."""
+    if resolve_device(args.device) != "cpu":
+        return
+    if args.quantization is None:
         args.quantization = "int8"
+    if args.threads is None:
+        args.threads = max(1, len(os.sched_getaffinity(0)) - 1)
 
 
 class Stack:

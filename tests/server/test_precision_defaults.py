@@ -47,3 +47,25 @@ def test_the_service_line_names_model_and_precision():
     html = service_html(Service("redis://127.0.0.1:1"), True,
                         {"r1": {"model": "smollm2-135m", "running": 2, "precision": "int8 weights"}})
     assert "smollm2-135m (int8 weights)" in html and "2 running" in html
+
+
+def test_play_leaves_one_core_to_the_web_ui_and_the_browser_on_a_cpu(monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    args = play_args("--device", "cpu")
+    apply_play_defaults(args)
+    assert engine_config_from_args(args).num_threads == 1
+    assert engine_config_from_args(play_args(*engine_argv(args))).num_threads == 1  # as the replica parses it
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
+    args = play_args("--device", "cpu")
+    apply_play_defaults(args)
+    assert args.threads == 7
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})
+    args = play_args("--device", "cpu")
+    apply_play_defaults(args)
+    assert args.threads == 1
+    given = play_args("--device", "cpu", "--threads", "2")  # a flag wins
+    apply_play_defaults(given)
+    assert engine_config_from_args(given).num_threads == 2
+    gpu = play_args("--device", "cuda")
+    apply_play_defaults(gpu)
+    assert gpu.threads is None
