@@ -180,13 +180,15 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 def process_logits(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
-    """Everything HF's processors do before the final softmax (greedy rows keep temperature 1)."""
+    """Everything HF's processors do before the final softmax (greedy rows keep temperature 1). May return `logits`
+    itself when nothing applies (no temperature but 1, no top-k, top-p or min-p): callers must not write to it."""
     # rows and sizes from the batch as built (on the CPU): no device syncs; each processor runs on the rows
     # that ask for it only (a greedy row in the batch costs no top-k / top-p work)
     top_k, top_p, vocab = b.top_k, b.top_p, logits.shape[1]
     k_rows = ((top_k > 0) & (top_k < vocab)).nonzero().flatten().tolist()  # top_k >= vocab keeps every token
     p_rows = (top_p < 1).nonzero().flatten().tolist()
     min_p_rows = (b.min_p > 0).nonzero().flatten().tolist()
+    scaled = bool(((b.temperature >= SAMPLING_EPS) & (b.temperature != 1.0)).any())  # dividing by 1 changes nothing
     b = b.to(logits.device)
     if b.grammar is not None:  # first, as vLLM: the processors then act on the tokens the grammar allows
         apply_mask(logits, b.grammar)
@@ -199,8 +201,10 @@ def process_logits(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     for row, banned in enumerate(b.banned_tokens):
         if banned:
             logits[row, banned] = float("-inf")
-    temp = torch.where(b.temperature >= SAMPLING_EPS, b.temperature, 1.0)
-    logits = logits / temp[:, None]
+    if scaled:
+        logits = logits / torch.where(b.temperature >= SAMPLING_EPS, b.temperature, 1.0)[:, None]
+    elif k_rows or p_rows or min_p_rows:
+        logits = logits.clone()  # _on_rows writes its rows in place: never into the caller's tensor
     both = None
     if p_rows and set(p_rows) <= set(k_rows) and logits.device.type == "cpu":  # sorts cost on a CPU, syncs do not
         both = apply_top_k_top_p(logits[k_rows], top_k[k_rows], top_p[k_rows])

@@ -177,7 +177,8 @@ class SpecDecoder:
                          for j in range(len(rows))]
         raw = torch.cat([rows for _, rows in items])
         batch = self.sampling_batch(contexts)
-        processed = process_logits(raw.clone(), batch)
+        # process_logits writes in place only for banned tokens and grammars; raw stays for the log-probs
+        processed = process_logits(raw.clone() if any(batch.banned_tokens) or batch.grammar is not None else raw, batch)
         logprobs = raw.log_softmax(dim=-1)
         masked = masked_mass(logprobs, batch.grammar) if batch.entropy else [None] * len(contexts)
         out, start = [], 0

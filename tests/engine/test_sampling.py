@@ -179,6 +179,21 @@ def test_sampler_logprobs_are_the_raw_log_softmax():
     assert torch.equal(out.top_ids, raw.topk(4, dim=1).indices)
 
 
+@pytest.mark.parametrize("cases", [
+    [dict(temperature=0.0), dict(temperature=1.0, top_k=2)],  # no division by a temperature: top-k on a copy
+    [dict(temperature=1.0, top_p=0.5), dict(temperature=1.0, min_p=0.2), dict(temperature=0.0)],
+    [dict(temperature=1.0), dict(temperature=0.0)],  # nothing to process: the logits themselves, read only
+])
+def test_processing_never_writes_into_the_logits_the_raw_logprobs_come_from(cases):
+    logits = random_logits(len(cases), 50)
+    given = logits.clone()
+    out = sample(given, make_batch(cases, num_logprobs=3))
+    assert torch.equal(given, logits)
+    raw = logits.log_softmax(-1)
+    torch.testing.assert_close(out.logprobs, raw.gather(1, out.token_ids[:, None]).squeeze(1))
+    torch.testing.assert_close(out.top_logprobs, raw.topk(3, dim=1).values)
+
+
 def test_sampling_works_when_the_logits_live_on_another_device_than_the_batch():
     # the engine builds the batch (and the seeded generators) on the CPU; on a GPU the logits are on the
     # GPU. The meta device stands in for it: mixing devices raises there just as it does on CUDA.
