@@ -230,8 +230,7 @@ class LLMEngine:
         raw = logits[[r for _, r in items]].log_softmax(dim=-1)
         b = self._sampling_batch([s for s, _ in items])
         masked = masked_mass(raw, b.grammar) if b.entropy and b.grammar is not None else [None] * len(items)
-        # process_logits writes in place only for banned tokens and grammars; else it returns new tensors or raw
-        processed = process_logits(raw.clone() if any(b.banned_tokens) or b.grammar is not None else raw, b)
+        processed = process_logits(raw.clone() if b.writes_logits else raw, b)
         return list(zip(processed, raw, masked))
 
     def _fork_beam(self, parent: Sequence) -> Sequence:

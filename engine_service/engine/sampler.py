@@ -35,6 +35,12 @@ class SamplingBatch:
     grammar: GrammarMask | None = None  # structured outputs: the allowed tokens of the constrained rows
     entropy: bool = False  # some row asked for logprobs: report each row's entropy too (else no cost)
 
+    @property
+    def writes_logits(self) -> bool:
+        """Whether process_logits writes into the tensor it is given (banned tokens, a grammar's mask): callers
+        that keep reading those logits pass a copy then."""
+        return any(self.banned_tokens) or self.grammar is not None
+
     @classmethod
     def of(cls, seqs: list, stop_ids: Callable[[SamplingParams], set[int]]) -> "SamplingBatch":
         """One row per sequence (or proposer Context) from its request's params; its stop tokens are
@@ -221,7 +227,7 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
     # needs the full log-prob rows
     stats = cpu_logits.logit_stats(logits, b.num_logprobs) if b.grammar is None and cpu_logits.applies(logits) else None
     raw_logprobs = logits.log_softmax(dim=1) if stats is None else None
-    processed = process_logits(logits.clone() if any(b.banned_tokens) or b.grammar is not None else logits, b)
+    processed = process_logits(logits.clone() if b.writes_logits else logits, b)
     tokens = processed.argmax(dim=1)
     rows = (b.temperature >= SAMPLING_EPS).nonzero().flatten().tolist()  # sampled rows (the batch is on the CPU)
     if rows:  # noise for those rows only: 49k exponentials cost ~1 ms a row on a slow CPU core

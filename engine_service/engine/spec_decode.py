@@ -177,8 +177,7 @@ class SpecDecoder:
                          for j in range(len(rows))]
         raw = torch.cat([rows for _, rows in items])
         batch = self.sampling_batch(contexts)
-        # process_logits writes in place only for banned tokens and grammars; raw stays for the log-probs
-        processed = process_logits(raw.clone() if any(batch.banned_tokens) or batch.grammar is not None else raw, batch)
+        processed = process_logits(raw.clone() if batch.writes_logits else raw, batch)  # raw: for the log-probs
         logprobs = raw.log_softmax(dim=-1)
         masked = masked_mass(logprobs, batch.grammar) if batch.entropy else [None] * len(contexts)
         out, start = [], 0
