@@ -97,13 +97,12 @@ def _summary(runs: list[dict]) -> dict:
 # ---- 1. the browser on the page, against the stack `play` starts
 def _stack(args):
     from engine_service.engine.flags import engine_argv
-    from engine_service.server.play import Stack, wait_ready
+    from engine_service.server.play import Stack, stack_env, wait_ready
     from engine_service.server.redis_server import RedisServer
 
     stack = Stack()
     stack.redis = RedisServer().start()
-    env = dict(os.environ, REDIS_URL=stack.redis.url)
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as play
+    env = stack_env(stack.redis.url)
     engine_url, web_url = f"http://127.0.0.1:{args.engine_port}", f"http://127.0.0.1:{args.web_port}"
     stack.spawn("engine", [sys.executable, "-m", "engine_service.cli", "engine", *engine_argv(args),
                            "--port", str(args.engine_port), "--served-model-name", "playground"], env)

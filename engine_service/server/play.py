@@ -53,6 +53,15 @@ def apply_play_defaults(args) -> None:
         args.threads = max(1, len(os.sched_getaffinity(0)) - 1)
 
 
+def stack_env(redis_url: str) -> dict[str, str]:
+    """The environment of play's engine and web processes: the Redis URL (the password travels there, not in
+    argv), and OpenMP threads that sleep instead of spinning while they wait, since the engine shares the cores
+    with the web UI and a browser (bench playground, browser path: 6.75 s for the 64-token run instead of 7.78 s)."""
+    env = dict(os.environ, REDIS_URL=redis_url)
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return env
+
+
 class Stack:
     """Child processes, each in its own process group, stopped together (TERM, then KILL)."""
 
@@ -110,10 +119,7 @@ def run_play(args: argparse.Namespace) -> int:
             stack.redis = RedisServer().start()
             redis_url = stack.redis.url
             print(f"redis: private redis-server on 127.0.0.1:{stack.redis.port} (no persistence)", flush=True)
-        env = dict(os.environ, REDIS_URL=redis_url)  # the password travels in the environment, not argv
-        # the engine shares two cores with the web UI and a browser: OpenMP threads that sleep instead of spinning
-        # while they wait (bench playground, browser path: 6.75 s for the 64-token run instead of 7.78 s)
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        env = stack_env(redis_url)
         engine_url = f"http://{args.host}:{args.engine_port}"
         stack.spawn("engine", [sys.executable, "-m", "engine_service.cli", "engine", *engine_argv(args),
                                "--host", args.host, "--port", str(args.engine_port)], env)

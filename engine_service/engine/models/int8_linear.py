@@ -182,7 +182,7 @@ class Int8Weight:
         if x.shape[0] == 0:
             return x.new_empty(0, self.out_features)
         x32 = x.float()
-        if cpu_layer_ops.applies(x32):  # the same values in two C calls instead of ~6 ops (~30 us a call here)
+        if cpu_layer_ops.applies(x32):  # the same values in two C calls instead of ~6 ops (~20 us less a call here)
             xn, r = cpu_layer_ops.row_absmax_div(x32)
             out = cpu_layer_ops.row_scale_(_grid_linear(xn, self.packed), r, self.bias)
             return out if x.dtype == torch.float32 else out.to(x.dtype)
