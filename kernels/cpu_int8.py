@@ -1,12 +1,14 @@
-"""int8 weight x fp32 activation matmul for x86 CPUs with AVX2 + FMA (`cpu_int8.c`), built on first use.
+"""int8 weight x int16-quantized activation matmul for x86 CPUs with AVX2 (`cpu_int8.c`), built on first use.
 
-Why our own kernel: for the 1-8 rows of a decode step PyTorch's choices were either slow or lossy on the
-2-core AVX2 target. fbgemm's int8 path quantizes the activations too (8 bits on a fixed grid, weights limited to
-7 bits by AVX2's int16 pair sums), which needs SmoothQuant and fp16 weights for down_proj and the LM head to
-stay within 2% perplexity, and pays ~60 us of its own per call at one row; `_weight_int8pack_mm` and
-`_weight_int4pack_mm_for_cpu` have no fast AVX2 path (2-65x and ~10x slower than fp32). This kernel keeps
-the activations in fp32 (weight-only int8, 8 bits, one scale per output row: exact products, nothing to
-calibrate) and reads each weight byte once per block of up to 4 rows (docs/kernels.md has the measurements).
+Why our own kernel: for the 1-11 rows of a decode step PyTorch's choices were either slow or lossy on the
+2-core AVX2 target. fbgemm's int8 path quantizes the activations to 8 bits (weights limited to 7 bits by AVX2's
+int16 pair sums), which needs SmoothQuant and fails on the outlier-heavy inputs of down_proj and the LM head, and
+pays ~60 us of its own per call at one row; fp16 weights move twice int8's bytes; `_weight_int8pack_mm` and
+`_weight_int4pack_mm_for_cpu` have no fast AVX2 path (2-65x and ~10x slower than fp32). This kernel quantizes
+each activation row to int16 (a relative error of ~1.5e-5, nothing to calibrate) and multiplies it by 8-bit
+weights in integers (vpmaddwd), reading each weight byte once per block of up to 4 rows (docs/kernels.md has
+the measurements). An earlier version kept the activations in fp32 and widened the weights to fp32 for FMA: the
+same results within int16's rounding, at ~1.5x the time for 8 rows.
 
 The first call (`unavailable()` or `linear()`) compiles `cpu_int8.c` (kernels/_cbuild.py: the system C compiler,
 -O3 -mavx2 -mfma -fopenmp, into `$DECODELAB_CACHE_DIR/kernels`, once per source version). `unavailable()` says
@@ -23,9 +25,9 @@ from kernels import _cbuild
 
 
 def _declare(lib: ctypes.CDLL) -> None:
-    lib.dl_int8_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+    lib.dl_int8_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
-    lib.dl_int8_linear.restype = None
+    lib.dl_int8_linear.restype = ctypes.c_int
 
 
 KERNEL = _cbuild.CKernel("cpu_int8", _declare)
@@ -46,13 +48,15 @@ class Matrix:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] fp32 on the CPU -> [M, N] fp32."""
-        assert x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[-1] == self.k
-        if not x.is_contiguous():
+        assert x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and x.shape[-1] == self.k
+        if x.stride(1) != 1 or x.stride(0) < self.k:
             x = x.contiguous()
         out = torch.empty(x.shape[0], self.n)
         if x.shape[0]:
             q, scale, bias = self._ptrs
-            KERNEL.lib.dl_int8_linear(x.data_ptr(), x.shape[0], self.k, q, scale, bias, out.data_ptr(), self.n)
+            if KERNEL.lib.dl_int8_linear(x.data_ptr(), x.stride(0), x.shape[0], self.k, q, scale, bias,
+                                         out.data_ptr(), self.n):
+                raise MemoryError("cpu_int8: no memory for the int16 copy of the activations")
         return out
 
 
