@@ -7,7 +7,8 @@ import torch.nn.functional as F
 
 from engine_service import LLM, SamplingParams
 from engine_service.engine.config import EngineConfig
-from engine_service.engine.models.int8_linear import HeadWeight, Int8Weight, _fbgemm_error, int8_kernel
+from engine_service.engine.models.int8_linear import (HeadWeight, Int8Weight, _fbgemm_error, int8_kernel,
+                                                     projection_kernels)
 from engine_service.engine.models.packed_linear import Linear
 from kernels import cpu_int8
 from tests.helpers import GREEDY, random_prompt
@@ -148,8 +149,15 @@ def test_int8_engine_predicts_the_fp32_top_token_at_most_positions(kernel, arch,
     llm = LLM(model=model, quantization="int8")
     layer = llm.engine.runner.model.layers[0]
     assert layer.self_attn.qkv_proj.int8.kernel == layer.mlp.gate_up_proj.int8.kernel == kernel
-    # down_proj's outlier-heavy input: fp16 weights on fbgemm, int8 weight-only otherwise (CausalLM.quantize_int8)
-    assert isinstance(layer.mlp.down_proj.int8, HeadWeight if kernel == "fbgemm" else Int8Weight)
+    # o_proj, down_proj and the head, with the outlier-heavy inputs: on fbgemm the avx2 kernel's int16 activations
+    # where it builds, else fbgemm / fp16 weights (int8_linear.projection_kernels)
+    want = projection_kernels(kernel)
+    for name, m in (("o", layer.self_attn.o_proj), ("down", layer.mlp.down_proj)):
+        assert isinstance(m.int8, HeadWeight) if want[name] == "fp16" else m.int8.kernel == want[name]
+    head = llm.engine.runner.model.quantized_head
+    assert isinstance(head, HeadWeight) if want["head"] == "fp16" else head.kernel == want["head"]
+    if kernel == "fbgemm":
+        assert (want["o"], want["down"], want["head"]) == (("avx2",) * 3 if AVX2 is None else ("fbgemm", "fp16", "fp16"))
     int8_out, int8_top = greedy_and_teacher_forced(llm, prompts)
     assert all(len(o) == 16 for o in int8_out)
     # measured on 4 x 47 positions: fbgemm 0.86 (llama) / 0.81 (qwen2), dequant 0.91 / 0.92; tiny random

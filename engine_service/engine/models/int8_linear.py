@@ -3,14 +3,14 @@
 Weights are quantized symmetrically per output channel (`quantize_weight`). Three kernels, `int8_kernel`
 picks one:
 
-- "avx2" (x86 CPUs with AVX2 + FMA and a C compiler; DECODELAB_INT8_KERNEL=avx2, or where fbgemm does not
-  run): weight-only int8 (|q| <= 127), fp32 activations, our own kernel (kernels/cpu_int8.c, built on first
-  use). Exact products with the int8 weight, nothing calibrated, every matmul and the LM head in int8, each row's
-  result independent of the others of its step. On the 2-core AVX2 target (docs/kernels.md) the 121 matmuls of a
-  SmolLM2 decode step take 8.1 ms instead of fbgemm's ~16 at 1 row and 20 vs 22 at 8 rows; single stream 74.8
-  tok/s instead of 44.8 (0.53x llama.cpp instead of 0.32x), perplexity +0.20% instead of +0.44%. But its fp32
-  multiply-adds cost more CPU at 8 rows and more: the four-mode playground with a browser on the same cores ran
-  4.86 / 4.57 s against fbgemm's 4.25 / 4.58, and prefill-heavy batches run slower, so the default stays fbgemm.
+- "avx2" (x86 CPUs with AVX2 and a C compiler; DECODELAB_INT8_KERNEL=avx2, or where fbgemm does not run):
+  int8 weights (|q| <= 127, one scale per output row) times activations quantized per row to int16 inside the
+  call, our own kernel (kernels/cpu_int8.c, built on first use): integer products and sums (vpmaddwd), nothing
+  calibrated, every matmul and the LM head in int8, each row's result independent of the others of its step.
+  On the 2-core AVX2 target (docs/kernels.md) it beats fbgemm at 1 row (SmolLM2's qkv 0.9 vs 2.1 ms for 30
+  layers) and matches it up to ~8, but fbgemm's int8 activations do twice the multiply-adds per instruction at
+  more rows (gate/up at 11 rows 13.8 vs 10.0 ms; prefill at 64 rows ~1.5x), so it is the whole-model choice for
+  single streams, and fbgemm's partner for three projections below.
 - "fbgemm" (x86 CPUs with AVX2 or better; the CPU default): weights and activations in int8 through
   PyTorch's quantized engine (fbgemm). `quantized.linear_prepack` reorders the int8 weight once; each call
   quantizes its fp32 input to uint8, multiplies with int32 accumulation and scales back to fp32. It was the
@@ -29,12 +29,12 @@ picks one:
   * SmoothQuant (`smoothing_scales`): activation outlier channels are divided down and the weight columns
     multiplied up by the same factors, folded into the ops before (llama.py), from the input ranges of a
     short built-in text (`CALIBRATION_TEXT`) seen once at load.
-  The LM head stays out of int8 there: on SmolLM2 an int8 head doubled the loss (+0.028 nats per token
-  against fp32 instead of +0.013; top-1 agreement 85% instead of 90%) for 6.5 ms less per decode step
-  (1 thread). It runs from fbgemm's fp16 weights instead (`HeadWeight`: fp32 activations and sums, no
-  measurable loss), 4.2 ms per step instead of 9.0 for the oneDNN-packed fp32 weight. So does each layer's
-  down_proj, whose input (silu(gate) * up) has the worst activation outliers: all-int8 was +2.1% perplexity
-  on held-out text (`decodelab bench quality`), fp16 down_proj +0.4%, at about the int8 speed for 1-8 rows.
+  o_proj, down_proj and the LM head do not quantize their activations there: their inputs carry the worst
+  outliers (silu(gate) * up above all; all-int8 was +2.1% perplexity on held-out text, `decodelab bench
+  quality`). They run the avx2 kernel (int16 activations: +0.43% perplexity for the whole mix, SmoothQuant only
+  on q/k/v and gate/up), which at the 1-11 rows of decoding is also faster than the fp16 weights they ran from
+  before (+0.57%; the head at 11 rows 7.1 vs 9.4 ms, down_proj 7.2 vs 9.3; `projection_kernels`). Without a C
+  compiler, down_proj and the head fall back to fbgemm's fp16 weights (`HeadWeight`) and o_proj to fbgemm.
 - "dequant" (CUDA, CPUs where neither of the above runs, or DECODELAB_INT8_KERNEL=dequant): weight-only int8
   (|q| <= 127), y = F.linear(x, q.to(x.dtype)) * scale: exact products with the int8 weight, the same on every device,
   weight memory halved (bf16) or quartered (fp32); the matmul runs at the input dtype's speed, and on a
@@ -153,9 +153,25 @@ class HeadWeight:
         return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
-def head_weight(weight: torch.Tensor, kernel: str) -> "HeadWeight | Int8Weight":
-    """How an int8 model multiplies by its LM head (see the module docstring)."""
-    return HeadWeight(weight) if kernel == "fbgemm" else Int8Weight(weight, None, kernel)
+# The matmuls of a decoder layer and the LM head, by the names projection_kernels gives them kernels under.
+PROJECTIONS = ("qkv", "o", "gate_up", "down", "head")
+
+
+def projection_kernels(kernel: str) -> dict[str, str]:
+    """The kernel each projection runs on a model quantized for `kernel` ("fp16": HeadWeight). On fbgemm only q/k/v
+    and gate/up quantize their activations; o_proj, down_proj and the head, whose inputs carry the outliers int8
+    activations handle worst, run the avx2 kernel (int16 activations) where it builds, else (no C compiler)
+    down_proj and the head fbgemm's fp16 weights and o_proj fbgemm."""
+    if kernel != "fbgemm":
+        return dict.fromkeys(PROJECTIONS, kernel)
+    if cpu_int8.unavailable() is None:
+        return {"qkv": "fbgemm", "o": "avx2", "gate_up": "fbgemm", "down": "avx2", "head": "avx2"}
+    return {"qkv": "fbgemm", "o": "fbgemm", "gate_up": "fbgemm", "down": "fp16", "head": "fp16"}
+
+
+def quantized(weight: torch.Tensor, bias: torch.Tensor | None, kernel: str) -> "HeadWeight | Int8Weight":
+    """`weight` (and `bias`) as `kernel` multiplies by it: a projection_kernels value."""
+    return HeadWeight(weight, bias) if kernel == "fp16" else Int8Weight(weight, bias, kernel)
 
 
 class Int8Weight:

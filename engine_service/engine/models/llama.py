@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_service.engine.attention import AttentionMetadata, PagedAttention
-from engine_service.engine.models.int8_linear import HeadWeight, Int8Weight, head_weight, smoothing_scales
+from engine_service.engine.models.int8_linear import (HeadWeight, Int8Weight, projection_kernels, quantized,
+                                                     smoothing_scales)
 from engine_service.engine.models.loader import head_dim as head_dim_of
 from engine_service.engine.models.packed_linear import Linear, pack_weight, packed_linear
 from kernels import cpu_layer_ops
@@ -124,11 +125,12 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(y)
 
     @torch.no_grad()
-    def smooth(self, amax: dict[nn.Module, torch.Tensor]) -> None:
+    def smooth(self, amax: dict[nn.Module, torch.Tensor], projections=("qkv", "o", "gate_up", "down")) -> None:
         """SmoothQuant for int8 activations, the 1/s folded into the op before each matmul so it costs
         nothing per step: q/k/v and gate/up into their RMSNorm weights, o_proj into the v rows of qkv (one s
         per KV-head channel, shared by the query heads reading it), down_proj into the up rows of gate_up.
-        `amax`: max |input| per channel of each matmul (CausalLM.input_absmax)."""
+        `amax`: max |input| per channel of each matmul (CausalLM.input_absmax); `projections`: the matmuls to
+        smooth (those that quantize their activations to int8)."""
         attn, mlp = self.self_attn, self.mlp
         g, d = attn.num_heads // attn.num_kv_heads, attn.head_dim
 
@@ -142,12 +144,16 @@ class DecoderLayer(nn.Module):
         s_qkv, s_gate_up, s_down = scales(attn.qkv_proj), scales(mlp.gate_up_proj), scales(mlp.down_proj)
         s_v = smoothing_scales(per_kv_channel(amax[attn.o_proj]), per_kv_channel(attn.o_proj.weight.abs().amax(dim=0)))
         v_rows = slice(attn.sizes[0] + attn.sizes[1], None)
-        _fold(self.input_layernorm.weight, s_qkv, attn.qkv_proj.weight)
-        _fold(self.post_attention_layernorm.weight, s_gate_up, mlp.gate_up_proj.weight)
-        _fold(attn.qkv_proj.weight[v_rows], s_v, attn.o_proj.weight, s_v.view(-1, 1, d).expand(-1, g, -1).flatten())
-        if attn.qkv_proj.bias is not None:
-            attn.qkv_proj.bias[v_rows].div_(s_v.to(attn.qkv_proj.bias.dtype))
-        _fold(mlp.gate_up_proj.weight[mlp.down_proj.in_features:], s_down, mlp.down_proj.weight)
+        if "qkv" in projections:
+            _fold(self.input_layernorm.weight, s_qkv, attn.qkv_proj.weight)
+        if "gate_up" in projections:
+            _fold(self.post_attention_layernorm.weight, s_gate_up, mlp.gate_up_proj.weight)
+        if "o" in projections:
+            _fold(attn.qkv_proj.weight[v_rows], s_v, attn.o_proj.weight, s_v.view(-1, 1, d).expand(-1, g, -1).flatten())
+            if attn.qkv_proj.bias is not None:
+                attn.qkv_proj.bias[v_rows].div_(s_v.to(attn.qkv_proj.bias.dtype))
+        if "down" in projections:
+            _fold(mlp.gate_up_proj.weight[mlp.down_proj.in_features:], s_down, mlp.down_proj.weight)
 
 
 def _fold(before: torch.Tensor, s: torch.Tensor, weight: torch.Tensor, s_cols: torch.Tensor | None = None) -> None:
@@ -204,20 +210,21 @@ class CausalLM(nn.Module):
             self.packed_head = pack_weight(self.embed_tokens.weight)
 
     def quantize_int8(self, kernel: str, act_amax: dict[nn.Module, torch.Tensor] | None = None) -> None:
-        """Every decoder matmul weight to int8 and the LM head to what int8_linear.head_weight gives (a tied
-        head keeps the dense embedding for lookups). With `act_amax` (`input_absmax`), activation outliers
-        are smoothed into the weights first (int8 activations need it; weight-only int8 does not)."""
+        """Every decoder matmul weight and the LM head to int8 (or fp16) as int8_linear.projection_kernels says
+        for `kernel` (a tied head keeps the dense embedding for lookups). With `act_amax` (`input_absmax`),
+        activation outliers are smoothed into the weights of the matmuls on fbgemm first (int8 activations need
+        it; weight-only int8 and int16 activations do not)."""
+        kernels = projection_kernels(kernel)
         if act_amax is not None:
             for layer in self.layers:
-                layer.smooth(act_amax)
+                layer.smooth(act_amax, [p for p, k in kernels.items() if k == "fbgemm"])
         for layer in self.layers:
-            for m in layer.modules():
-                if isinstance(m, Linear):
-                    # down_proj's input (silu(gate) * up) has the outliers int8 activations handle worst: on
-                    # fbgemm it runs from fp16 weights instead (int8_linear.py: +0.6% perplexity, not +2.1%)
-                    m.quantize_int8(kernel, fp16=kernel == "fbgemm" and m is layer.mlp.down_proj)
+            attn, mlp = layer.self_attn, layer.mlp
+            for name, m in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
+                            ("down", mlp.down_proj)):
+                m.quantize_int8(kernels[name])
         head = self.embed_tokens if self.tie_word_embeddings else self.lm_head
-        self.quantized_head = head_weight(head.weight, kernel)
+        self.quantized_head = quantized(head.weight, None, kernels["head"])
         if head is self.lm_head:
             head.weight = nn.Parameter(head.weight.detach().to("meta"), requires_grad=False)
 

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_service.engine.models.int8_linear import HeadWeight, Int8Weight
+from engine_service.engine.models.int8_linear import HeadWeight, Int8Weight, quantized
 from engine_service.engine.utils import cdiv
 
 _PACKABLE = (torch.float32, torch.bfloat16)  # fp16 packing needs AVX512-FP16 / AVX-NE-CONVERT
@@ -109,9 +109,9 @@ class Linear(nn.Linear):
         self.packed = pack_weight(self.weight)
         self.weight = nn.Parameter(self.weight.detach().to("meta"), requires_grad=False)
 
-    def quantize_int8(self, kernel: str, fp16: bool = False) -> None:
-        """int8 weights (int8_linear.Int8Weight), or with `fp16` fbgemm's fp16 weights (HeadWeight)."""
-        self.int8 = HeadWeight(self.weight, self.bias) if fp16 else Int8Weight(self.weight, self.bias, kernel)
+    def quantize_int8(self, kernel: str) -> None:
+        """int8 weights for `kernel` (int8_linear.Int8Weight), or for "fp16" fbgemm's fp16 weights (HeadWeight)."""
+        self.int8 = quantized(self.weight, self.bias, kernel)
         self.weight = nn.Parameter(self.weight.detach().to("meta"), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
