@@ -7,8 +7,13 @@ import torch.nn.functional as F
 
 from engine_service import LLM, SamplingParams
 from engine_service.engine.config import EngineConfig
-from engine_service.engine.models.int8_linear import (HeadWeight, Int8Weight, _fbgemm_error, int8_kernel,
-                                                     projection_kernels)
+from engine_service.engine.models.int8_linear import (
+    HeadWeight,
+    Int8Weight,
+    _fbgemm_error,
+    int8_kernel,
+    projection_kernels,
+)
 from engine_service.engine.models.packed_linear import Linear
 from kernels import cpu_int8
 from tests.helpers import GREEDY, random_prompt
@@ -157,7 +162,8 @@ def test_int8_engine_predicts_the_fp32_top_token_at_most_positions(kernel, arch,
     head = llm.engine.runner.model.quantized_head
     assert isinstance(head, HeadWeight) if want["head"] == "fp16" else head.kernel == want["head"]
     if kernel == "fbgemm":
-        assert (want["o"], want["down"], want["head"]) == (("avx2",) * 3 if AVX2 is None else ("fbgemm", "fp16", "fp16"))
+        fallback = ("fbgemm", "fp16", "fp16")  # no C compiler
+        assert (want["o"], want["down"], want["head"]) == (("avx2",) * 3 if AVX2 is None else fallback)
     int8_out, int8_top = greedy_and_teacher_forced(llm, prompts)
     assert all(len(o) == 16 for o in int8_out)
     # measured on 4 x 47 positions: fbgemm 0.86 (llama) / 0.81 (qwen2), dequant 0.91 / 0.92; tiny random

@@ -9,8 +9,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_service.engine.attention import AttentionMetadata, PagedAttention
-from engine_service.engine.models.int8_linear import (HeadWeight, Int8Weight, projection_kernels, quantized,
-                                                     smoothing_scales)
+from engine_service.engine.models.int8_linear import (
+    HeadWeight,
+    Int8Weight,
+    projection_kernels,
+    quantized,
+    smoothing_scales,
+)
 from engine_service.engine.models.loader import head_dim as head_dim_of
 from engine_service.engine.models.packed_linear import Linear, pack_weight, packed_linear
 from kernels import cpu_layer_ops
