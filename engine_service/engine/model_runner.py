@@ -16,6 +16,9 @@ from engine_service.engine.sequence import Sequence
 from engine_service.engine.utils import cdiv
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# On a CPU, chunks of up to this many new tokens attend as decode rows (ModelRunner.prepare): a speculative
+# verification is k + 1 <= 9 tokens in the playground; longer chunks keep the prefill path's one SDPA per chunk.
+DECODE_ROWS_MAX = 16
 
 
 def available_memory_bytes() -> int:
@@ -118,13 +121,19 @@ class ModelRunner:
         return torch.tensor(rows, dtype=torch.int32, device=self.device)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """Decode-shaped (one token) sequences first, then the multi-token chunks.
+        """Decode-shaped sequences first, then the multi-token chunks. On a CPU a chunk of up to DECODE_ROWS_MAX
+        tokens (speculative verification, a short prompt or last prefill chunk) is decode-shaped too: each of
+        its tokens a decode row with its own context length, all over the sequence's block table (the step
+        stores the chunk's K/V before attending, so row i sees the chunk up to itself). A verified token then
+        goes through the same attention kernel as one decoded alone (speculative output equals greedy where
+        the matmuls are batch-invariant), and a few rows skip the prefill path's per-layer setup.
         Returns the flat inputs, the metadata and, per scheduled sequence (in batch order), the row of
         its chunk's last token in the flat batch (a chunk's tokens are contiguous there)."""
         bs = self.config.block_size
-        order = sorted(range(len(batch)), key=lambda i: batch.num_new_tokens[i] != 1)
+        rows_max = DECODE_ROWS_MAX if self.device.type == "cpu" else 1
+        order = sorted(range(len(batch)), key=lambda i: batch.num_new_tokens[i] > rows_max)
         ids, pos, slots, end_row = [], [], [], [-1] * len(batch)
-        cu, ctx = [0], []
+        cu, ctx, decode_seqs, decode_ctx, prefill_seqs = [0], [], [], [], []
         for i in order:
             seq, n = batch.seqs[i], batch.num_new_tokens[i]
             start = seq.num_computed_tokens
@@ -133,20 +142,23 @@ class ModelRunner:
             table = seq.block_table
             slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
             end_row[i] = len(ids) - 1
-            ctx.append(start + n)
-            if n != 1:
+            if n <= rows_max:
+                decode_seqs += [seq] * n
+                decode_ctx += range(start + 1, start + n + 1)
+            else:
                 cu.append(cu[-1] + n)
-        num_decode = len(batch) - (len(cu) - 1)
+                ctx.append(start + n)
+                prefill_seqs.append(seq)
+        num_decode = len(decode_ctx)
         dev, i32 = self.device, torch.int32
-        seqs = [batch.seqs[i] for i in order]
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             num_decode=num_decode,
-            decode_block_tables=self._tables(seqs[:num_decode]) if num_decode else None,
-            decode_context_lens=torch.tensor(ctx[:num_decode], dtype=i32, device=dev) if num_decode else None,
-            prefill_cu_seqlens_q=torch.tensor(cu, dtype=i32, device=dev) if len(cu) > 1 else None,
-            prefill_context_lens=torch.tensor(ctx[num_decode:], dtype=i32, device=dev) if len(cu) > 1 else None,
-            prefill_block_tables=self._tables(seqs[num_decode:]) if len(cu) > 1 else None,
+            decode_block_tables=self._tables(decode_seqs) if num_decode else None,
+            decode_context_lens=torch.tensor(decode_ctx, dtype=i32, device=dev) if num_decode else None,
+            prefill_cu_seqlens_q=torch.tensor(cu, dtype=i32, device=dev) if prefill_seqs else None,
+            prefill_context_lens=torch.tensor(ctx, dtype=i32, device=dev) if prefill_seqs else None,
+            prefill_block_tables=self._tables(prefill_seqs) if prefill_seqs else None,
         )
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         positions = torch.tensor(pos, dtype=torch.int64, device=dev)

@@ -65,9 +65,10 @@ def test_padded_decode_batch_matches_unpadded_and_padding_writes_no_kv(tiny_llam
 def test_graphs_do_not_fit_prefill_oversized_or_too_wide_batches(tiny_llama_dir):
     engine = LLMEngine(model=str(tiny_llama_dir), num_kv_blocks=64, block_size=8)
     model, device = engine.runner.model, engine.runner.device
-    engine.add_request("p", [5, 6, 7], SamplingParams(max_tokens=2, **GREEDY))
+    prompt = list(range(5, 25))  # longer than model_runner.DECODE_ROWS_MAX: a prefill chunk on the CPU too
+    engine.add_request("p", prompt, SamplingParams(max_tokens=2, **GREEDY))
     prefill = engine.runner.prepare(engine.scheduler.schedule())[2]
-    assert not DecodeGraphs(model, 4, 16, device).fits(3, prefill)
+    assert not DecodeGraphs(model, 32, 16, device).fits(len(prompt), prefill)
     engine.abort("p")
     input_ids, positions, meta = decode_step_inputs(engine, [5, 19, 30])
     assert DecodeGraphs(model, 4, 16, device).fits(3, meta)

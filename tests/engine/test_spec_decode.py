@@ -193,3 +193,39 @@ def test_qwen_coder_draft_pair_gives_the_targets_greedy_tokens():
                                               temperature=0, max_tokens=16))[0]
     assert out.outputs[0].token_ids == greedy.outputs[0].token_ids
     assert out.metrics.spec["acceptance_rate"] > 0.5
+
+
+@pytest.mark.slow
+def test_smollm2_int8_speculation_in_a_shared_batch_gives_the_greedy_tokens(smollm2_dir):
+    # the verified chunk attends as decode rows (ModelRunner.prepare) and every int8 matmul is batch-invariant,
+    # so each token sees the bits one-token decoding sees; with the prefill path for the chunk these three
+    # prompts parted from greedy after 2, 27 and 14 tokens (int8 on fbgemm)
+    llm = LLM(str(smollm2_dir), num_kv_blocks=256, quantization="int8")
+    asks = ["Why is the sky blue?", "Write a Python function that reverses a string.", "List three uses of copper."]
+    prompts = [llm.apply_chat_template([{"role": "user", "content": a}]) for a in asks]
+    greedy = SamplingParams(temperature=0, ignore_eos=True, max_tokens=48)
+    speculative = SamplingParams(mode="speculative", proposer="ngram", num_speculative_tokens=4, temperature=0,
+                                 ignore_eos=True, max_tokens=48)
+    outs = llm.generate(prompts * 2, [greedy] * 3 + [speculative] * 3)
+    assert [o.outputs[0].token_ids for o in outs[3:]] == [o.outputs[0].token_ids for o in outs[:3]]
+    assert sum(o.metrics.spec["proposed"] for o in outs[3:]) > 0
+
+
+def test_short_chunks_attend_as_decode_rows_with_the_prefill_paths_values(tiny_llama_dir, monkeypatch):
+    from engine_service.engine import model_runner
+
+    prompt = random_prompts(1, seed=7)[0][:12]  # one chunk of 12 tokens: decode rows on a CPU
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=6, prompt_logprobs=3)
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=32)
+    seen = []
+    prepare = llm.engine.runner.prepare
+    monkeypatch.setattr(llm.engine.runner, "prepare", lambda batch: seen.append(prepare(batch)) or seen[-1])
+    rows = llm.generate({"prompt_token_ids": prompt}, params)[0]
+    meta = seen[0][2]
+    assert meta.num_decode == 12 and meta.prefill_cu_seqlens_q is None
+    assert meta.decode_context_lens.tolist() == list(range(1, 13))
+    monkeypatch.setattr(model_runner, "DECODE_ROWS_MAX", 1)  # the prefill path for the same chunk
+    chunk = LLM(str(tiny_llama_dir), num_kv_blocks=32).generate({"prompt_token_ids": prompt}, params)[0]
+    assert rows.outputs[0].token_ids == chunk.outputs[0].token_ids
+    for a, b in zip(rows.prompt_logprobs[1:], chunk.prompt_logprobs[1:], strict=True):
+        assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
