@@ -83,6 +83,9 @@ class AttentionMetadata:
     prefill_cu_seqlens_q: torch.Tensor | None  # [num_prefill + 1] int32
     prefill_context_lens: torch.Tensor | None  # [num_prefill] int32
     prefill_block_tables: torch.Tensor | None  # [num_prefill, max_blocks] int32
+    # the first num_generated tokens are generated ones (decoding, verification), the rest prompt tokens (CPU;
+    # ModelRunner.prepare; read by int8_linear.RowSplitWeight)
+    num_generated: int = 0
     # the torch backend's per-step work, made by the first layer and reused by the others
     _decode_plan: DecodePlan | None = field(default=None, repr=False, compare=False)
     _decode_tables: cpu_decode_attention.DecodeTables | None = field(default=None, repr=False, compare=False)

@@ -121,19 +121,29 @@ class ModelRunner:
         return torch.tensor(rows, dtype=torch.int32, device=self.device)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """Decode-shaped sequences first, then the multi-token chunks. On a CPU a chunk of up to DECODE_ROWS_MAX
-        tokens (speculative verification, a short prompt or last prefill chunk) is decode-shaped too: each of
-        its tokens a decode row with its own context length, all over the sequence's block table (the step
-        stores the chunk's K/V before attending, so row i sees the chunk up to itself). A verified token then
-        goes through the same attention kernel as one decoded alone (speculative output equals greedy where
-        the matmuls are batch-invariant), and a few rows skip the prefill path's per-layer setup.
+        """Decode-shaped sequences first, then the multi-token chunks. On a CPU, chunks of generated tokens
+        (decoding, speculative verification) and prompt chunks of up to DECODE_ROWS_MAX tokens are decode-shaped:
+        each token a decode row with its own context length, all over the sequence's block table (the step
+        stores the chunk's K/V before attending, so row i sees the chunk up to itself). A verified token then goes
+        through the same attention kernel as one decoded alone, and a few rows skip the prefill path's per-layer
+        setup. Generated tokens come first (AttentionMetadata.num_generated): an int8 model on fbgemm multiplies
+        their rows with another kernel than prompt rows (int8_linear.RowSplitWeight), so a token's kernel depends
+        on what it is, not on how its step was cut (prefix caching, chunked prefill).
         Returns the flat inputs, the metadata and, per scheduled sequence (in batch order), the row of
         its chunk's last token in the flat batch (a chunk's tokens are contiguous there)."""
-        bs = self.config.block_size
-        rows_max = DECODE_ROWS_MAX if self.device.type == "cpu" else 1
-        order = sorted(range(len(batch)), key=lambda i: batch.num_new_tokens[i] > rows_max)
+        bs, cpu = self.config.block_size, self.device.type == "cpu"
+
+        def generated(i: int) -> bool:  # a chunk of generated tokens (a preempted sequence's recompute is not)
+            return batch.seqs[i].num_computed_tokens >= batch.seqs[i].num_prompt_tokens
+
+        def decode_shaped(i: int) -> bool:
+            n = batch.num_new_tokens[i]
+            return n == 1 or (cpu and (n <= DECODE_ROWS_MAX or generated(i)))
+
+        order = sorted(range(len(batch)), key=lambda i: (not decode_shaped(i), not (cpu and generated(i))))
         ids, pos, slots, end_row = [], [], [], [-1] * len(batch)
         cu, ctx, decode_seqs, decode_ctx, prefill_seqs = [0], [], [], [], []
+        num_generated = 0
         for i in order:
             seq, n = batch.seqs[i], batch.num_new_tokens[i]
             start = seq.num_computed_tokens
@@ -142,9 +152,11 @@ class ModelRunner:
             table = seq.block_table
             slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
             end_row[i] = len(ids) - 1
-            if n <= rows_max:
+            if decode_shaped(i):
                 decode_seqs += [seq] * n
                 decode_ctx += range(start + 1, start + n + 1)
+                if cpu and generated(i):
+                    num_generated += n
             else:
                 cu.append(cu[-1] + n)
                 ctx.append(start + n)
@@ -154,6 +166,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             num_decode=num_decode,
+            num_generated=num_generated,
             decode_block_tables=self._tables(decode_seqs) if num_decode else None,
             decode_context_lens=torch.tensor(decode_ctx, dtype=i32, device=dev) if num_decode else None,
             prefill_cu_seqlens_q=torch.tensor(cu, dtype=i32, device=dev) if prefill_seqs else None,

@@ -66,6 +66,7 @@ class Context:
 class DraftSeq:
     """A target sequence's mirror in the draft model's cache (the fields BlockManager and ModelRunner use)."""
     token_ids: list[int]
+    num_prompt_tokens: int = 0
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
@@ -93,7 +94,7 @@ class DraftModel:
             self.bm.free(mirror)
 
     def _sync(self, seq: Sequence) -> DraftSeq:
-        mirror = self.seqs.setdefault(seq.seq_id, DraftSeq([]))
+        mirror = self.seqs.setdefault(seq.seq_id, DraftSeq([], seq.num_prompt_tokens))
         # keep the longest computed prefix still shared with the target, and at least one token to compute
         valid = min(mirror.num_computed_tokens, len(seq.token_ids) - 1)
         if mirror.token_ids[:valid] != seq.token_ids[:valid]:

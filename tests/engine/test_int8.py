@@ -10,7 +10,9 @@ from engine_service.engine.config import EngineConfig
 from engine_service.engine.models.int8_linear import (
     HeadWeight,
     Int8Weight,
+    RowSplitWeight,
     _fbgemm_error,
+    generated_rows,
     int8_kernel,
     projection_kernels,
 )
@@ -153,17 +155,19 @@ def test_int8_engine_predicts_the_fp32_top_token_at_most_positions(kernel, arch,
     fp32_out, fp32_top = greedy_and_teacher_forced(LLM(model=model), prompts)
     llm = LLM(model=model, quantization="int8")
     layer = llm.engine.runner.model.layers[0]
-    assert layer.self_attn.qkv_proj.int8.kernel == layer.mlp.gate_up_proj.int8.kernel == kernel
-    # o_proj, down_proj and the head, with the outlier-heavy inputs: on fbgemm the avx2 kernel's int16 activations
-    # where it builds, else fbgemm / fp16 weights (int8_linear.projection_kernels)
+    # on fbgemm: decode rows through the avx2 kernel, prefill rows of q/k/v and gate/up through fbgemm; o_proj,
+    # down_proj and the head (the outlier-heavy inputs) avx2 for every row where it builds, else fbgemm / fp16
+    # weights (int8_linear.projection_kernels)
     want = projection_kernels(kernel)
-    for name, m in (("o", layer.self_attn.o_proj), ("down", layer.mlp.down_proj)):
+    for name, m in (("qkv", layer.self_attn.qkv_proj), ("o", layer.self_attn.o_proj),
+                    ("gate_up", layer.mlp.gate_up_proj), ("down", layer.mlp.down_proj)):
         assert isinstance(m.int8, HeadWeight) if want[name] == "fp16" else m.int8.kernel == want[name]
     head = llm.engine.runner.model.quantized_head
     assert isinstance(head, HeadWeight) if want["head"] == "fp16" else head.kernel == want["head"]
     if kernel == "fbgemm":
-        fallback = ("fbgemm", "fp16", "fp16")  # no C compiler
-        assert (want["o"], want["down"], want["head"]) == (("avx2",) * 3 if AVX2 is None else fallback)
+        mix = ("avx2|fbgemm", "avx2", "avx2|fbgemm", "avx2", "avx2") if AVX2 is None else (
+            "fbgemm", "fbgemm", "fbgemm", "fp16", "fp16")  # no C compiler
+        assert tuple(want.values()) == mix
     int8_out, int8_top = greedy_and_teacher_forced(llm, prompts)
     assert all(len(o) == 16 for o in int8_out)
     # measured on 4 x 47 positions: fbgemm 0.86 (llama) / 0.81 (qwen2), dequant 0.91 / 0.92; tiny random
@@ -202,3 +206,35 @@ def test_int8_smollm2_keeps_the_fp32_top_token_on_a_real_paragraph(smollm2_dir):
         out = LLM(model=str(smollm2_dir), quantization=quantization, num_kv_blocks=16).generate(text, params)[0]
         runs[quantization] = [max(lp.items(), key=lambda kv: kv[1])[0] for lp in out.prompt_logprobs[1:]]
     assert agreement([runs["int8"]], [runs[None]]) >= 0.8  # measured 0.92 here (45 of 49), 0.90 on 2681 tokens
+
+
+@needs_fbgemm
+@needs_avx2
+def test_split_weight_sends_generated_rows_to_avx2_and_prompt_rows_to_fbgemm(tiny_llama_dir, monkeypatch):
+    w, x = torch.randn(48, 64), torch.randn(7, 64)
+    split = RowSplitWeight(w, None)
+    token = generated_rows.set(3)
+    try:
+        got = split(x)
+    finally:
+        generated_rows.reset(token)
+    assert torch.equal(got[:3], Int8Weight(w, None, "avx2")(x[:3]))
+    assert torch.equal(got[3:], Int8Weight(w, None, "fbgemm")(x[3:]))
+    assert torch.equal(split(x), Int8Weight(w, None, "fbgemm")(x))  # outside a forward pass: no generated rows
+
+    # in the engine: a 24-token prompt goes to fbgemm, its 4-token tail too when the rest is a cached prefix,
+    # and every generated token (a decode row) to avx2
+    monkeypatch.setenv("DECODELAB_INT8_KERNEL", "fbgemm")
+    llm = LLM(model=str(tiny_llama_dir), quantization="int8", block_size=4)
+    qkv = llm.engine.runner.model.layers[0].self_attn.qkv_proj.int8
+    seen = {"generated": [], "prompt": []}
+    for kind in seen:
+        inner = getattr(qkv, kind)
+        monkeypatch.setattr(qkv, kind, lambda t, inner=inner, kind=kind: seen[kind].append(t.shape[0]) or inner(t))
+    prompt = random_prompt(24, seed=5)
+    params = SamplingParams(max_tokens=4, **GREEDY)
+    first = llm.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids
+    assert seen == {"generated": [1, 1, 1], "prompt": [24]}
+    again = llm.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids
+    # the cached prefix leaves a short tail (decode-shaped rows): still prompt rows, so the same K/V and tokens
+    assert len(seen["prompt"]) == 2 and seen["prompt"][1] < 24 and again == first

@@ -41,6 +41,7 @@ picks one:
   CPU each call converts the weight (a fallback for memory, not speed). Tested on the CPU; not run on a GPU.
 """
 import contextlib
+import contextvars
 import functools
 import os
 import warnings
@@ -156,22 +157,57 @@ class HeadWeight:
 # The matmuls of a decoder layer and the LM head, by the names projection_kernels gives them kernels under.
 PROJECTIONS = ("qkv", "o", "gate_up", "down", "head")
 
+# How many leading rows of the current forward pass are generated tokens (AttentionMetadata.num_generated; set
+# by CausalLM.forward): RowSplitWeight sends those to one kernel and the prompt tokens' rows to another.
+generated_rows: contextvars.ContextVar[int] = contextvars.ContextVar("generated_rows", default=0)
+
 
 def projection_kernels(kernel: str) -> dict[str, str]:
-    """The kernel each projection runs on a model quantized for `kernel` ("fp16": HeadWeight). On fbgemm only q/k/v
-    and gate/up quantize their activations; o_proj, down_proj and the head, whose inputs carry the outliers int8
-    activations handle worst, run the avx2 kernel (int16 activations) where it builds, else (no C compiler)
-    down_proj and the head fbgemm's fp16 weights and o_proj fbgemm."""
+    """The kernel each projection runs on a model quantized for `kernel` ("fp16": HeadWeight; "avx2|fbgemm":
+    RowSplitWeight). On fbgemm where the avx2 kernel builds, generated tokens' rows run avx2 everywhere and only
+    the prompt tokens' rows of q/k/v and gate/up quantize their activations to int8 through fbgemm; o_proj,
+    down_proj and the head, whose inputs carry the outliers int8 activations handle worst, run avx2 (int16
+    activations) for every row. Without a C compiler, down_proj and the head fall back to fbgemm's fp16 weights
+    and o_proj to fbgemm."""
     if kernel != "fbgemm":
         return dict.fromkeys(PROJECTIONS, kernel)
     if cpu_int8.unavailable() is None:
-        return {"qkv": "fbgemm", "o": "avx2", "gate_up": "fbgemm", "down": "avx2", "head": "avx2"}
+        return {"qkv": "avx2|fbgemm", "o": "avx2", "gate_up": "avx2|fbgemm", "down": "avx2", "head": "avx2"}
     return {"qkv": "fbgemm", "o": "fbgemm", "gate_up": "fbgemm", "down": "fp16", "head": "fp16"}
 
 
-def quantized(weight: torch.Tensor, bias: torch.Tensor | None, kernel: str) -> "HeadWeight | Int8Weight":
+def quantized(weight: torch.Tensor, bias: torch.Tensor | None,
+              kernel: str) -> "HeadWeight | Int8Weight | RowSplitWeight":
     """`weight` (and `bias`) as `kernel` multiplies by it: a projection_kernels value."""
-    return HeadWeight(weight, bias) if kernel == "fp16" else Int8Weight(weight, bias, kernel)
+    if kernel == "fp16":
+        return HeadWeight(weight, bias)
+    if kernel == "avx2|fbgemm":
+        return RowSplitWeight(weight, bias)
+    return Int8Weight(weight, bias, kernel)
+
+
+class RowSplitWeight:
+    """One weight in both int8 forms: the step's generated tokens (`generated_rows`: decoding, speculative
+    verification) through the avx2 kernel, its prompt tokens through fbgemm. Each kernel wins where it runs
+    (2-core AVX2 target, docs/kernels.md): avx2 at the 1-11 rows of decoding (no per-call quantization overhead:
+    SmolLM2's q/k/v for 30 layers 0.9 vs 2.1 ms at one row), fbgemm's 8-bit activations at the hundreds of rows
+    of a prefill (~1.5x). The choice goes by what a token is, not by the size of its step or chunk, so rows stay
+    batch-invariant and a prompt gives the same K/V however prefix caching or chunked prefill cut it (a
+    preempted sequence's generated tokens, recomputed with its prompt, take fbgemm then). The weight is held
+    twice (int8 both times)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.generated = Int8Weight(weight, bias, "avx2")
+        self.prompt = Int8Weight(weight, bias, "fbgemm")
+        self.kernel, self.scale, self.out_features = "avx2|fbgemm", self.generated.scale, weight.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        n = generated_rows.get()
+        if n >= x.shape[0]:
+            return self.generated(x)
+        if n == 0:
+            return self.prompt(x)
+        return torch.cat([self.generated(x[:n]), self.prompt(x[n:])])
 
 
 class Int8Weight:

@@ -12,6 +12,8 @@ from engine_service.engine.attention import AttentionMetadata, PagedAttention
 from engine_service.engine.models.int8_linear import (
     HeadWeight,
     Int8Weight,
+    RowSplitWeight,
+    generated_rows,
     projection_kernels,
     quantized,
     smoothing_scales,
@@ -181,7 +183,7 @@ class CausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
         self.packed_head: torch.Tensor | None = None
-        self.quantized_head: HeadWeight | Int8Weight | None = None  # quantize_int8
+        self.quantized_head: HeadWeight | Int8Weight | RowSplitWeight | None = None  # quantize_int8
         cos, sin = rope_tables(config, config.max_position_embeddings)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -192,8 +194,12 @@ class CausalLM(nn.Module):
         sin = self.sin[positions].unsqueeze(1).to(x.dtype)
         half = sin.shape[-1] // 2
         sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)  # apply_rope's signed sin, once per step
-        for layer in self.layers:
-            x = layer(x, cos, sin, meta)
+        token = generated_rows.set(meta.num_generated)  # which rows an int8 RowSplitWeight sends where
+        try:
+            for layer in self.layers:
+                x = layer(x, cos, sin, meta)
+        finally:
+            generated_rows.reset(token)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -222,7 +228,7 @@ class CausalLM(nn.Module):
         kernels = projection_kernels(kernel)
         if act_amax is not None:
             for layer in self.layers:
-                layer.smooth(act_amax, [p for p, k in kernels.items() if k == "fbgemm"])
+                layer.smooth(act_amax, [p for p, k in kernels.items() if "fbgemm" in k])
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             for name, m in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),

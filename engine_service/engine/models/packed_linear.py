@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_service.engine.models.int8_linear import HeadWeight, Int8Weight, quantized
+from engine_service.engine.models.int8_linear import HeadWeight, Int8Weight, RowSplitWeight, quantized
 from engine_service.engine.utils import cdiv
 
 _PACKABLE = (torch.float32, torch.bfloat16)  # fp16 packing needs AVX512-FP16 / AVX-NE-CONVERT
@@ -103,7 +103,7 @@ class Linear(nn.Linear):
     `quantize_int8()` was (int8_linear.py)."""
 
     packed: torch.Tensor | None = None
-    int8: Int8Weight | HeadWeight | None = None
+    int8: Int8Weight | HeadWeight | RowSplitWeight | None = None
 
     def pack(self) -> None:
         self.packed = pack_weight(self.weight)
