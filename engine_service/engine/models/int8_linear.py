@@ -9,10 +9,11 @@ picks one:
   calibrated, every matmul and the LM head in int8, each row's result independent of the others of its step.
   On the 2-core AVX2 target (docs/kernels.md) it beats fbgemm at 1 row (SmolLM2's qkv 0.9 vs 2.1 ms for 30
   layers) and matches it up to ~8, but fbgemm's int8 activations do twice the multiply-adds per instruction at
-  more rows (gate/up at 11 rows 13.8 vs 10.0 ms; prefill at 64 rows ~1.5x), so it is the whole-model choice for
-  single streams, and fbgemm's partner for three projections below.
-- "fbgemm" (x86 CPUs with AVX2 or better; the CPU default): weights and activations in int8 through
-  PyTorch's quantized engine (fbgemm). `quantized.linear_prepack` reorders the int8 weight once; each call
+  more rows (gate/up at 11 rows 13.8 vs 10.0 ms; prefill at 64 rows ~1.5x). As the whole-model choice it has
+  the least perplexity lost (+0.20%) but prefills ~1.5x slower; on the default it is fbgemm's partner (below).
+- "fbgemm" (x86 CPUs with AVX2 or better; the CPU default; with a C compiler it runs only prompt tokens' q/k/v
+  and gate/up, and the avx2 kernel the rest: `projection_kernels`, `RowSplitWeight`): weights and activations in
+  int8 through PyTorch's quantized engine (fbgemm). `quantized.linear_prepack` reorders the int8 weight once; each call
   quantizes its fp32 input to uint8, multiplies with int32 accumulation and scales back to fp32. It was the
   fastest int8 path in PyTorch on the AVX2 target (docs/kernels.md has the table: 2.5-3.5x fewer ms than
   the oneDNN-packed fp32 weights for the linears of a decode step; torchao's CPU int8 and `torch._int_mm`
@@ -29,12 +30,14 @@ picks one:
   * SmoothQuant (`smoothing_scales`): activation outlier channels are divided down and the weight columns
     multiplied up by the same factors, folded into the ops before (llama.py), from the input ranges of a
     short built-in text (`CALIBRATION_TEXT`) seen once at load.
-  o_proj, down_proj and the LM head do not quantize their activations there: their inputs carry the worst
-  outliers (silu(gate) * up above all; all-int8 was +2.1% perplexity on held-out text, `decodelab bench
-  quality`). They run the avx2 kernel (int16 activations: +0.43% perplexity for the whole mix, SmoothQuant only
-  on q/k/v and gate/up), which at the 1-11 rows of decoding is also faster than the fp16 weights they ran from
-  before (+0.57%; the head at 11 rows 7.1 vs 9.4 ms, down_proj 7.2 vs 9.3; `projection_kernels`). Without a C
-  compiler, down_proj and the head fall back to fbgemm's fp16 weights (`HeadWeight`) and o_proj to fbgemm.
+  Generated tokens (decoding, verification) run the avx2 kernel for every matmul: no per-call quantization
+  overhead at the 1-11 rows of decoding. o_proj, down_proj and the LM head do not quantize their activations to
+  8 bits for prompt tokens either: their inputs carry the worst outliers (silu(gate) * up above all; all-int8
+  was +2.1% perplexity on held-out text, `decodelab bench quality`). They run the avx2 kernel (int16
+  activations: +0.43% perplexity for the whole mix, SmoothQuant only on q/k/v and gate/up), which is also
+  faster than the fp16 weights they ran from before (+0.57%; the head at 11 rows 7.1 vs 9.4 ms, down_proj 7.2
+  vs 9.3). Without a C compiler, down_proj and the head fall back to fbgemm's fp16 weights (`HeadWeight`) and
+  o_proj to fbgemm.
 - "dequant" (CUDA, CPUs where neither of the above runs, or DECODELAB_INT8_KERNEL=dequant): weight-only int8
   (|q| <= 127), y = F.linear(x, q.to(x.dtype)) * scale: exact products with the int8 weight, the same on every device,
   weight memory halved (bf16) or quartered (fp32); the matmul runs at the input dtype's speed, and on a
