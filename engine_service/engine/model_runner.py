@@ -16,8 +16,8 @@ from engine_service.engine.sequence import Sequence
 from engine_service.engine.utils import cdiv
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# On a CPU, chunks of up to this many new tokens attend as decode rows (ModelRunner.prepare): a speculative
-# verification is k + 1 <= 9 tokens in the playground; longer chunks keep the prefill path's one SDPA per chunk.
+# On a CPU, prompt chunks of up to this many tokens attend as decode rows, as chunks of generated tokens always do
+# (ModelRunner.prepare); longer prompt chunks keep the prefill path's one SDPA per chunk.
 DECODE_ROWS_MAX = 16
 
 

@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from engine_service.engine.models.int8_linear import HeadWeight, Int8Weight, int8_kernel
+from engine_service.engine.models.int8_linear import HeadWeight, Int8Weight, RowSplitWeight, int8_kernel
 from engine_service.engine.models.loader import head_dim
 from engine_service.engine.models.packed_linear import Linear
 
@@ -169,7 +169,8 @@ class CostModel:
                           self.flops(shape.chunks, rows), self.bytes(shape.chunks, rows))
 
 
-def _stored_bytes(w: Int8Weight | HeadWeight, numel: int) -> int:
+def _stored_bytes(w: Int8Weight | HeadWeight | RowSplitWeight, numel: int) -> int:
+    # a RowSplitWeight holds two int8 copies; a decode step reads one (the avx2 kernel's)
     if isinstance(w, HeadWeight):
         return numel * 2  # fbgemm's fp16 weight
     return numel + w.scale.nbytes  # int8 plus one fp32 scale per output channel

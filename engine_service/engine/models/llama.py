@@ -12,7 +12,6 @@ from engine_service.engine.attention import AttentionMetadata, PagedAttention
 from engine_service.engine.models.int8_linear import (
     HeadWeight,
     Int8Weight,
-    RowSplitWeight,
     generated_rows,
     projection_kernels,
     quantized,
@@ -183,7 +182,7 @@ class CausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
         self.packed_head: torch.Tensor | None = None
-        self.quantized_head: HeadWeight | Int8Weight | RowSplitWeight | None = None  # quantize_int8
+        self.quantized_head: HeadWeight | Int8Weight | None = None  # quantize_int8
         cos, sin = rope_tables(config, config.max_position_embeddings)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
