@@ -238,3 +238,17 @@ def test_split_weight_sends_generated_rows_to_avx2_and_prompt_rows_to_fbgemm(tin
     again = llm.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids
     # the cached prefix leaves a short tail (decode-shaped rows): still prompt rows, so the same K/V and tokens
     assert len(seen["prompt"]) == 2 and seen["prompt"][1] < 24 and again == first
+
+
+@needs_fbgemm
+def test_without_our_kernel_the_default_falls_back_to_fbgemm_and_fp16_weights(tiny_llama_dir, monkeypatch):
+    monkeypatch.setattr(cpu_int8, "unavailable", lambda: "no C compiler (test)")
+    assert projection_kernels("fbgemm") == {"qkv": "fbgemm", "o": "fbgemm", "gate_up": "fbgemm", "down": "fp16",
+                                            "head": "fp16"}
+    monkeypatch.setenv("DECODELAB_INT8_KERNEL", "fbgemm")
+    llm = LLM(model=str(tiny_llama_dir), quantization="int8")
+    layer = llm.engine.runner.model.layers[0]
+    assert layer.self_attn.qkv_proj.int8.kernel == "fbgemm" and isinstance(layer.mlp.down_proj.int8, HeadWeight)
+    assert isinstance(llm.engine.runner.model.quantized_head, HeadWeight)
+    out = llm.generate({"prompt_token_ids": random_prompt(20, seed=6)}, SamplingParams(max_tokens=6, **GREEDY))
+    assert len(out[0].outputs[0].token_ids) == 6
