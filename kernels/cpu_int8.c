@@ -1,23 +1,24 @@
 /* int8 weights x int16-quantized activations on x86 CPUs with AVX2: y = (x @ q.T) * scale (+ bias).
 
-   q is [N, K] int8 with one fp32 scale per output row (weight-only int8, |q| <= 127); x [M, K] and y [M, N]
-   are fp32, row-major. Each row of x is first quantized to int16 on its own scale (max |x| -> XMAX, round to
-   nearest even: a relative error of ~1.5e-5, far below the int8 weight's ~4e-3), so products and their sums are
-   exact integers: vpmaddwd multiplies 16 int16 pairs and adds neighbours into 8 int32 lanes, twice the
-   multiply-adds per instruction of fp32 FMA on int8 weights widened to fp32 (the kernel this one replaced).
-   An output is its lanes' sum (in float, in a fixed order) times the row's and the weight row's scales, so a
-   row gives the same bits alone or in any batch, whichever block computes it. Blocks of up to 6 rows x 2 output
-   rows keep the accumulators in registers; OpenMP splits the output rows between threads (the process's OpenMP
-   runtime: PyTorch's libgomp, already loaded, so torch.set_num_threads applies). Built and loaded by
-   kernels/cpu_int8.py. */
+   q is [N, K] int8 with one fp32 scale per output row (weight-only int8, |q| <= 127); x [M, K] and y [M, N] are
+   fp32, row-major. Each row of x is first quantized to int16 on its own scale (max |x| -> XMAX, round to nearest
+   even: a relative error of ~1.5e-5, far below the int8 weight's ~4e-3), so products and their sums are exact
+   integers: vpmaddwd multiplies 16 int16 pairs and adds neighbours into 8 int32 lanes. An output is its lanes'
+   sum (in float, one fixed order for every block) times the row's and the weight row's scales, so a row gives the
+   same bits alone or in any batch, whichever block computes it.
+
+   q comes packed (kernels/cpu_int8.py `pack`): groups of 4 output rows, K padded with zeros to a multiple of 16,
+   and within a group the 4 rows' 16-byte pieces of each 16-wide k-step side by side, so a block reads its group
+   as one sequential stream of 64-byte lines (one prefetch a line; the 4 separate row streams this replaced
+   needed one a row and left the 1-row matmuls of a SmolLM2 step at 12.3 ms instead of 8.5 on the AVX2 target).
+   Blocks of up to 4 rows x 4 (or 2) outputs keep their accumulators in registers; OpenMP splits the groups
+   between threads (the process's OpenMP runtime: PyTorch's libgomp, already loaded, so torch.set_num_threads
+   applies). Built and loaded by kernels/cpu_int8.py. */
 #include <immintrin.h>
 #include "cpu_simd.h"
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
-/* bytes ahead of the weight rows being read to prefetch: 1 KiB cut the 1-row matmuls of a SmolLM2 step from
-   11.4 to 8.1 ms on the AVX2 target (4 weight rows streamed at once outrun the hardware prefetcher) */
-#define PF 1024
 
 /* the largest |activation| after quantization: int16's, unless K is so long that a lane's int32 sum of K / 8
    products (each <= 127 * xmax) could overflow */
@@ -26,14 +27,14 @@ static int32_t xmax_for(int64_t K) {
     return bound >= 32767.0 ? 32767 : (int32_t)bound;
 }
 
-/* row i of x to int16 on the grid max|x_i| / xmax; xs[i] the step (NaN for a row with a NaN or inf, so its
-   outputs are NaN as fp32 sums would be) */
-static void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int16_t* xq, float* xs) {
+/* row i of x to int16 on the grid max|x_i| / xmax, zero-padded to Kp; xs[i] the step (NaN for a row with a NaN
+   or inf, so its outputs are NaN as fp32 sums would be) */
+static void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t Kp, int16_t* xq, float* xs) {
     const float xmax = (float)xmax_for(K);
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (int64_t i = 0; i < M; i++) {
         const float* r = x + i * ldx;
-        int16_t* o = xq + i * K;
+        int16_t* o = xq + i * Kp;
         /* bad: the sum of every x * 0, NaN iff some x is NaN or inf (max_ps would drop a NaN) */
         __m256 m8 = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
         int64_t k = 0;
@@ -60,85 +61,138 @@ static void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int
             _mm256_storeu_si256((__m256i*)(o + k), p);
         }
         for (; k < K; k++) o[k] = (int16_t)lrintf(r[k] * inv);
+        for (; k < Kp; k++) o[k] = 0;
     }
 }
 
-static inline __m256i wload(const int8_t* p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p)); }
+/* 16 weights of a packed k-step, widened to int16 */
+static inline __m256i wl(const int8_t* p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p)); }
+static inline __m256i xl(const int16_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
 
-/* the sum of v's 8 int32 lanes, in float (a fixed order; K * 127 * xmax may exceed int32 across lanes) */
-static inline float hsum_i32(__m256i v) { return hsum(_mm256_cvtepi32_ps(v)); }
+/* a += x . w pairwise (vector extension add: GCC then keeps each accumulator in one register) */
+typedef int v8si __attribute__((vector_size(32)));
+#define MADD(a, x, w) a = (__m256i)((v8si)(a) + (v8si)_mm256_madd_epi16(x, w))
+/* Pins accumulators to registers across the loop: without it GCC 12 adds into a temporary and copies it back
+   (a move per multiply-add) or spills one to the stack; with it the 4x2 block's k-step takes ~5.4 cycles on Zen 3
+   instead of ~6.4. */
+#define PIN4(a, b, c, d) __asm__("" : "+x"(a), "+x"(b), "+x"(c), "+x"(d))
+#define PIN2(a, b) __asm__("" : "+x"(a), "+x"(b))
 
-/* one block: MB rows of xq times NB rows of q; every (row, output) is the same integer sum */
-#define BLOCK(MB, NB)                                                                              \
-static void block_##MB##_##NB(const int16_t* x, const float* xs, int64_t K, const int8_t* w,      \
-                              const float* scale, const float* bias, float* y, int64_t ldy) {     \
-    __m256i acc[MB][NB];                                                                           \
-    for (int i = 0; i < MB; i++) for (int j = 0; j < NB; j++) acc[i][j] = _mm256_setzero_si256(); \
-    int64_t k = 0;                                                                                 \
-    for (; k + 16 <= K; k += 16) {                                                                 \
-        __m256i wv[NB];                                                                            \
-        for (int j = 0; j < NB; j++) {                                                             \
-            _mm_prefetch((const char*)(w + j * K + k) + PF, _MM_HINT_T0);                          \
-            wv[j] = wload(w + j * K + k);                                                          \
-        }                                                                                          \
-        for (int i = 0; i < MB; i++) {                                                             \
-            __m256i xv = _mm256_loadu_si256((const __m256i*)(x + i * K + k));                      \
-            for (int j = 0; j < NB; j++)                                                           \
-                acc[i][j] = _mm256_add_epi32(acc[i][j], _mm256_madd_epi16(xv, wv[j]));             \
-        }                                                                                          \
-    }                                                                                              \
-    for (int i = 0; i < MB; i++)                                                                   \
-        for (int j = 0; j < NB; j++) {                                                             \
-            int32_t t = 0;                                                                         \
-            for (int64_t u = k; u < K; u++) t += (int32_t)x[i * K + u] * w[j * K + u];             \
-            float s = (hsum_i32(acc[i][j]) + (float)t) * (xs[i] * scale[j]);                       \
-            y[i * ldy + j] = bias ? s + bias[j] : s;                                               \
-        }                                                                                          \
+/* the lane sums of 4 accumulators [s0 s1 s2 s3], in float, each in the same fixed order */
+static inline __m128 reduce4(__m256i a0, __m256i a1, __m256i a2, __m256i a3) {
+    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(_mm256_cvtepi32_ps(a0), _mm256_cvtepi32_ps(a1)),
+                              _mm256_hadd_ps(_mm256_cvtepi32_ps(a2), _mm256_cvtepi32_ps(a3)));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
-BLOCK(1, 4) BLOCK(2, 4)
-BLOCK(1, 2) BLOCK(2, 2) BLOCK(3, 2) BLOCK(4, 2) BLOCK(5, 2) BLOCK(6, 2)
-BLOCK(1, 1) BLOCK(2, 1) BLOCK(3, 1) BLOCK(4, 1) BLOCK(5, 1) BLOCK(6, 1)
 
-typedef void (*block_fn)(const int16_t*, const float*, int64_t, const int8_t*, const float*, const float*, float*,
-                         int64_t);
-static const block_fn BY4[3] = {0, block_1_4, block_2_4};
-static const block_fn BY2[7] = {0, block_1_2, block_2_2, block_3_2, block_4_2, block_5_2, block_6_2};
-static const block_fn BY1[7] = {0, block_1_1, block_2_1, block_3_1, block_4_1, block_5_1, block_6_1};
+/* The blocks: rows of xq (Kp apart) times a packed group g, over Kp / 16 k-steps of 64 bytes. s[i][j]: lane sums
+   of row i and output j (of the 2 at g for the x2 blocks). Each k-step prefetches `ahead` bytes on. */
+static void block_1x4(const int16_t* x, int64_t Kp, const int8_t* g, int64_t ahead, float s[4][4]) {
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t k = 0; k < Kp; k += 16, g += 64) {
+        _mm_prefetch((const char*)g + ahead, _MM_HINT_T0);
+        __m256i x0 = xl(x + k);
+        MADD(a0, x0, wl(g)); MADD(a1, x0, wl(g + 16)); MADD(a2, x0, wl(g + 32)); MADD(a3, x0, wl(g + 48));
+        PIN4(a0, a1, a2, a3);
+    }
+    _mm_storeu_ps(s[0], reduce4(a0, a1, a2, a3));
+}
 
-static void rows(const int16_t* x, const float* xs, int64_t M, int64_t K, const int8_t* w, const float* scale,
-                 const float* bias, float* y, int64_t ldy, int64_t nb) {
-    /* nb (<= 4) outputs for every row of x, in even chunks of at most 6 rows (8 -> 4 + 4, 11 -> 6 + 5): each
-       widened weight vector serves up to 6 rows while the accumulators (rows x 2) and operands fit in the 16
-       ymm registers; 1-2 rows take all 4 outputs at once */
+static void block_2x4(const int16_t* x, int64_t Kp, const int8_t* g, int64_t ahead, float s[4][4]) {
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    for (int64_t k = 0; k < Kp; k += 16, g += 64) {
+        _mm_prefetch((const char*)g + ahead, _MM_HINT_T0);
+        __m256i x0 = xl(x + k), x1 = xl(x + Kp + k), w = wl(g);
+        MADD(a0, x0, w); MADD(b0, x1, w);
+        w = wl(g + 16); MADD(a1, x0, w); MADD(b1, x1, w);
+        w = wl(g + 32); MADD(a2, x0, w); MADD(b2, x1, w);
+        w = wl(g + 48); MADD(a3, x0, w); MADD(b3, x1, w);
+        PIN4(a0, a1, a2, a3); PIN4(b0, b1, b2, b3);
+    }
+    _mm_storeu_ps(s[0], reduce4(a0, a1, a2, a3));
+    _mm_storeu_ps(s[1], reduce4(b0, b1, b2, b3));
+}
+
+static void block_3x2(const int16_t* x, int64_t Kp, const int8_t* g, int64_t ahead, float s[4][4]) {
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, b0 = a0, b1 = a0, c0 = a0, c1 = a0;
+    for (int64_t k = 0; k < Kp; k += 16, g += 64) {
+        _mm_prefetch((const char*)g + ahead, _MM_HINT_T0);
+        __m256i w0 = wl(g), w1 = wl(g + 16), xv = xl(x + k);
+        MADD(a0, xv, w0); MADD(a1, xv, w1);
+        xv = xl(x + Kp + k); MADD(b0, xv, w0); MADD(b1, xv, w1);
+        xv = xl(x + 2 * Kp + k); MADD(c0, xv, w0); MADD(c1, xv, w1);
+        PIN4(a0, a1, b0, b1); PIN2(c0, c1);
+    }
+    float t[4];
+    _mm_storeu_ps(s[0], reduce4(a0, a1, b0, b1));
+    s[1][0] = s[0][2]; s[1][1] = s[0][3];
+    _mm_storeu_ps(t, reduce4(c0, c1, c0, c1));
+    s[2][0] = t[0]; s[2][1] = t[1];
+}
+
+static void block_4x2(const int16_t* x, int64_t Kp, const int8_t* g, int64_t ahead, float s[4][4]) {
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, b0 = a0, b1 = a0, c0 = a0, c1 = a0, d0 = a0, d1 = a0;
+    for (int64_t k = 0; k < Kp; k += 16, g += 64) {
+        _mm_prefetch((const char*)g + ahead, _MM_HINT_T0);
+        __m256i w0 = wl(g), w1 = wl(g + 16), xv = xl(x + k);
+        MADD(a0, xv, w0); MADD(a1, xv, w1);
+        xv = xl(x + Kp + k); MADD(b0, xv, w0); MADD(b1, xv, w1);
+        xv = xl(x + 2 * Kp + k); MADD(c0, xv, w0); MADD(c1, xv, w1);
+        xv = xl(x + 3 * Kp + k); MADD(d0, xv, w0); MADD(d1, xv, w1);
+        PIN4(a0, a1, b0, b1); PIN4(c0, c1, d0, d1);
+    }
+    float t[4];
+    _mm_storeu_ps(t, reduce4(a0, a1, b0, b1));
+    s[0][0] = t[0]; s[0][1] = t[1]; s[1][0] = t[2]; s[1][1] = t[3];
+    _mm_storeu_ps(t, reduce4(c0, c1, d0, d1));
+    s[2][0] = t[0]; s[2][1] = t[1]; s[3][0] = t[2]; s[3][1] = t[3];
+}
+
+typedef void (*block_fn)(const int16_t*, int64_t, const int8_t*, int64_t, float[4][4]);
+
+/* every row of xq times one group (nb <= 4 real outputs at y, ldy apart by row), in even chunks of at most 4 rows
+   (8 -> 4 + 4, 7 -> 4 + 3): 1-2 rows take the group's 4 outputs at once, 3-4 rows 2 at a time (the accumulators
+   and operands fit in the 16 ymm registers; the second pass reads the group from L1) */
+static void group(const int16_t* xq, const float* xs, int64_t M, int64_t Kp, const int8_t* g, int64_t ahead,
+                  const float* scale, const float* bias, float* y, int64_t ldy, int64_t nb) {
+    static const block_fn by_rows[5] = {0, block_1x4, block_2x4, block_3x2, block_4x2};
     int64_t chunks = (M + 3) / 4, m = 0;
     for (int64_t c = 0; c < chunks; c++) {
         int64_t r = (M - m + (chunks - c) - 1) / (chunks - c);
-        const int16_t* xr = x + m * K;
-        float* yr = y + m * ldy;
-        if (nb == 4 && r <= 2) {
-            BY4[r](xr, xs + m, K, w, scale, bias, yr, ldy);
-        } else {
-            for (int64_t j = 0; j < nb; j += 2) {
-                const float* b = bias ? bias + j : 0;
-                (nb - j >= 2 ? BY2 : BY1)[r](xr, xs + m, K, w + j * K, scale + j, b, yr + j, ldy);
-            }
+        const int16_t* xr = xq + m * Kp;
+        float s[4][4], h[4][4];
+        by_rows[r](xr, Kp, g, ahead, s);
+        if (r > 2) {
+            by_rows[r](xr, Kp, g + 32, ahead, h);
+            for (int64_t i = 0; i < r; i++) { s[i][2] = h[i][0]; s[i][3] = h[i][1]; }
         }
+        for (int64_t i = 0; i < r; i++)
+            for (int64_t j = 0; j < nb; j++) {
+                float v = s[i][j] * (xs[m + i] * scale[j]);
+                y[(m + i) * ldy + j] = bias ? v + bias[j] : v;
+            }
         m += r;
     }
 }
 
-/* returns 0, or -1 when the int16 copy of x could not be allocated */
-int dl_int8_linear(const float* x, int64_t ldx, int64_t M, int64_t K, const int8_t* w, const float* scale,
+/* wp: q packed, (N + 3) / 4 groups of 4 * Kp bytes, Kp = K rounded up to 16. Returns 0, or -1 when the int16
+   copy of x could not be allocated. */
+int dl_int8_linear(const float* x, int64_t ldx, int64_t M, int64_t K, const int8_t* wp, const float* scale,
                    const float* bias, float* y, int64_t N) {
-    int16_t* xq = malloc((size_t)(M * K + 16) * sizeof(int16_t));
+    int64_t Kp = (K + 15) / 16 * 16;
+    /* 64-byte aligned (rows are 32 * Kp / 16 bytes long): an activation load never straddles two cache lines, which
+       cost ~15% at 4 rows with malloc's 16-byte alignment */
+    int16_t* xq = aligned_alloc(64, (size_t)(M * Kp * 2 + 63) / 64 * 64);
     float* xs = malloc((size_t)M * sizeof(float));
     if (!xq || !xs) { free(xq); free(xs); return -1; }
-    quantize_rows(x, ldx, M, K, xq, xs);
-    int64_t tasks = (N + 3) / 4;
+    quantize_rows(x, ldx, M, K, Kp, xq, xs);
+    /* with 3+ rows a group is read twice: prefetch the next group (at least 1 KiB on) so the memory stream goes
+       on during the second pass; 1-2 rows read it once, 1 KiB ahead */
+    int64_t groups = (N + 3) / 4, ahead = M > 2 && 4 * Kp > 1024 ? 4 * Kp : 1024;
     #pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < tasks; t++) {
+    for (int64_t t = 0; t < groups; t++) {
         int64_t n0 = t * 4, nb = N - n0 < 4 ? N - n0 : 4;
-        rows(xq, xs, M, K, w + n0 * K, scale + n0, bias ? bias + n0 : 0, y + n0, N, nb);
+        group(xq, xs, M, Kp, wp + t * 4 * Kp, ahead, scale + n0, bias ? bias + n0 : 0, y + n0, N, nb);
     }
     free(xq); free(xs);
     return 0;

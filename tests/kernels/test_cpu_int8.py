@@ -31,6 +31,7 @@ def exact(x, q, scale, bias, xmax=32767):
        seed=st.integers(0, 10_000))
 @example(rows=8, n=960, k=576, bias=False, seed=0)  # a SmolLM2 qkv projection, the four-mode batch
 @example(rows=1, n=576, k=1536, bias=True, seed=1)  # down_proj at batch 1
+@example(rows=7, n=10, k=37, bias=True, seed=2)  # chunks of 4 and 3 rows, a part-filled group, a padded k-step
 def test_matches_its_integer_reference_and_the_float_product_and_each_row_is_batch_invariant(rows, n, k, bias, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, k, generator=g)
@@ -79,3 +80,13 @@ def test_a_nan_or_inf_in_a_row_makes_that_row_nan_and_leaves_the_others():
     q = torch.randint(-127, 128, (5, 40), dtype=torch.int8)
     got = cpu_int8.linear(x, q, torch.full((5,), 0.01))
     assert got[0].isnan().all() and got[2].isnan().all() and got[1].isfinite().all()
+
+
+def test_pack_interleaves_four_rows_per_k_step_and_pads_with_zeros():
+    q = torch.arange(6 * 20, dtype=torch.int64).remainder(251).sub(125).to(torch.int8).view(6, 20)
+    p = cpu_int8.pack(q)
+    assert p.shape == (2, 2, 4, 16) and p.is_contiguous()  # 6 rows -> 2 groups of 4; K 20 -> 2 k-steps of 16
+    for n in range(6):
+        for k in range(20):
+            assert p[n // 4, k // 16, n % 4, k % 16] == q[n, k]
+    assert (p[1, :, 2:] == 0).all() and (p[:, 1, :, 4:] == 0).all()  # the padding rows and columns

@@ -222,11 +222,10 @@ class Int8Weight:
         self.out_features = weight.shape[0]
         q, self.scale = quantize_weight(weight, QMAX[kernel])
         self.bias = None if bias is None else bias.detach().float().contiguous()
-        if kernel == "fbgemm":
-            self.packed, self.qweight = _fbgemm_pack(q, self.scale), None  # fbgemm keeps its own copy of q
-        else:
-            self.packed, self.qweight = None, q.contiguous()
-        self.matrix = cpu_int8.Matrix(self.qweight, self.scale, self.bias) if kernel == "avx2" else None
+        # fbgemm and our kernel keep their own packed copies of q
+        self.packed = _fbgemm_pack(q, self.scale) if kernel == "fbgemm" else None
+        self.matrix = cpu_int8.Matrix(q, self.scale, self.bias) if kernel == "avx2" else None
+        self.qweight = q.contiguous() if kernel == "dequant" else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.matrix is not None:
