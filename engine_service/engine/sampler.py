@@ -228,22 +228,17 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
     stats = cpu_logits.logit_stats(logits, b.num_logprobs) if b.grammar is None and cpu_logits.applies(logits) else None
     raw_logprobs = logits.log_softmax(dim=1) if stats is None else None
     processed = process_logits(logits.clone() if b.writes_logits else logits, b)
-    tokens = processed.argmax(dim=1)
     rows = (b.temperature >= SAMPLING_EPS).nonzero().flatten().tolist()  # sampled rows (the batch is on the CPU)
-    if rows:  # noise for those rows only: 49k exponentials cost ~1 ms a row on a slow CPU core
-        probs = processed[rows].softmax(dim=1)
-        gens = [b.generators[r] for r in rows]
-        unseeded = [i for i, gen in enumerate(gens) if gen is None]
-        if len(unseeded) == len(rows):
-            noise = exponential(probs.shape, None, probs.device).to(probs.dtype)
-        else:
-            noise = torch.empty_like(probs)
-            if unseeded:
-                noise[unseeded] = exponential((len(unseeded), probs.shape[1]), None, probs.device).to(probs.dtype)
-        for i, gen in enumerate(gens):
-            if gen is not None:  # drawn where the generator lives: a seed gives the same noise on any device
-                noise[i] = exponential((probs.shape[1],), gen, gen.device).to(probs.dtype)
-        tokens[rows] = (probs / noise).argmax(dim=1)
+    if not rows:
+        tokens = processed.argmax(dim=1)
+    else:  # argmax over the greedy rows only (~0.1 ms a 49k row), a race over each sampled row's candidates
+        tokens = torch.empty(processed.shape[0], dtype=torch.int64, device=processed.device)
+        greedy = (b.temperature < SAMPLING_EPS).nonzero().flatten().tolist()
+        if greedy:
+            tokens[greedy] = processed[greedy].argmax(dim=1)
+        cut = ((b.top_k > 0) | (b.top_p < 1) | (b.min_p > 0)).tolist()
+        for r in rows:
+            tokens[r] = _race(processed[r], b.generators[r], cut[r])
     if stats is not None:  # logits is unchanged: process_logits wrote to a clone, or to new tensors
         lse, ent, top_ids, top_lp = stats
         chosen = logits.gather(1, tokens[:, None]).squeeze(1) - lse
@@ -255,6 +250,21 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
         top_lp, top_ids = raw_logprobs.topk(b.num_logprobs, dim=1)
     masked = masked_mass(raw_logprobs, b.grammar) if b.entropy and b.grammar is not None else None
     return SamplerOutput(tokens, chosen, top_ids, top_lp, entropy(raw_logprobs) if b.entropy else None, masked)
+
+
+def _race(row: torch.Tensor, generator: torch.Generator | None, cut: bool) -> torch.Tensor:
+    """One token drawn from softmax(row) by the exponential race, argmax(p / E) with E ~ Exp(1) from `generator`
+    (None: the global one). On a CPU, a row that top-k, top-p or min-p cut (`cut`) races among its finite logits
+    only: the same distribution (a -inf logit never wins) for noise over ~50 tokens instead of 49k (~0.7 ms a row
+    on the 2-core target). On a GPU the noise is cheap and nonzero() would wait for the device: the whole row."""
+    candidates = row.isfinite().nonzero().flatten() if cut and row.device.type == "cpu" else None
+    if candidates is not None:
+        row = row[candidates]
+    probs = row.softmax(dim=0)
+    device = probs.device if generator is None else generator.device  # a seed gives the same noise on any device
+    noise = exponential(probs.shape, generator, device).to(probs.dtype).to(probs.device)
+    won = (probs / noise).argmax()
+    return won if candidates is None else candidates[won]
 
 
 def entropy(logprobs: torch.Tensor) -> torch.Tensor:
