@@ -60,22 +60,29 @@ class BeamSearch:
         drop(seq) frees a beam's blocks at once."""
         beams = list(req.seqs)  # fork() appends children to req.seqs
         assert beams and len(beams) == self.scores.numel() and self.ready(req)
-        processed = torch.stack([self.pending[s.seq_id][0] for s in beams])
         raw = torch.stack([self.pending[s.seq_id][1] for s in beams])
+        # no processor changed a row (no temperature, penalties, top-k...): the processed rows are the raw ones
+        unprocessed = all(self.pending[s.seq_id][0] is self.pending[s.seq_id][1] for s in beams)
+        processed = raw if unprocessed else torch.stack([self.pending[s.seq_id][0] for s in beams])
         masked = [self.pending[s.seq_id][2] for s in beams]
         self.pending.clear()
         # with logprobs, each beam's row entropy (what its children's tokens were drawn from): one pass, W rows
         nats = entropy(raw).tolist() if self.num_logprobs is not None else [None] * len(beams)
-        tops = self._tops(raw)
         vocab = processed.shape[1]
         # the best candidates over all beams: each beam's own best first, then the best of those (the global top k
         # is among the rows' top k each): ~0.2 ms for W=4 on a 49k vocabulary instead of ~0.56 ms for one topk
-        # over the W * vocab scores
-        total = processed + self.scores[:, None]
-        k = min(self.num_candidates, total.numel())
-        row_top, row_ids = total.topk(min(k, vocab), dim=1)
+        # over the W * vocab scores. A beam's score shifts its whole row, so its best are its raw row's best:
+        # unprocessed rows take one topk for both the candidates and the top log-probs.
+        k = min(self.num_candidates, vocab * len(beams))
+        if unprocessed:
+            values, ids = raw.topk(min(max(k, self.num_logprobs or 0), vocab), dim=1)
+            tops = self._tops(raw, (values, ids))
+            row_top, row_ids = values[:, :k] + self.scores[:, None], ids[:, :k]
+        else:
+            tops = self._tops(raw)
+            row_top, row_ids = (processed + self.scores[:, None]).topk(min(k, vocab), dim=1)
         top, at = row_top.view(-1).topk(k)
-        flat = (at // row_top.shape[1]) * vocab + row_ids.view(-1)[at]
+        flat = (at // row_top.shape[1]) * vocab + row_ids.reshape(-1)[at]
         # a grammar (structured outputs) may allow fewer tokens than candidates: never continue a -inf one
         finite = int(torch.isfinite(top).sum())
         top, flat = top[:finite], flat[:finite]
@@ -159,13 +166,14 @@ class BeamSearch:
             if seq.grammar is not None:
                 seq.masked.append(masked)
 
-    def _tops(self, raw: torch.Tensor) -> list[dict[int, float]]:
+    def _tops(self, raw: torch.Tensor, top: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[dict[int, float]]:
         """Per beam row of raw log-probs, its top num_logprobs {id: log-prob}: one topk for all the rows (the
-        children of a beam share their parent's)."""
+        children of a beam share their parent's), or the first columns of `top`, a wider one already taken."""
         if not self.num_logprobs:
             return [{} for _ in range(raw.shape[0])]
-        values, ids = raw.topk(self.num_logprobs, dim=-1)
-        return [dict(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+        values, ids = raw.topk(self.num_logprobs, dim=-1) if top is None else top
+        n = self.num_logprobs
+        return [dict(zip(i[:n], v[:n])) for i, v in zip(ids.tolist(), values.tolist())]
 
     def _add_finished(self, parent: Sequence, token: int, raw: torch.Tensor, score: float, nats: float | None,
                       masked: float | None, parent_node: int, step: int, top: dict[int, float]) -> None:

@@ -231,7 +231,8 @@ class LLMEngine:
         b = self._sampling_batch([s for s, _ in items])
         masked = masked_mass(raw, b.grammar) if b.entropy and b.grammar is not None else [None] * len(items)
         processed = process_logits(raw.clone() if b.writes_logits else raw, b)
-        return list(zip(processed, raw, masked))
+        rows = list(raw)  # the same row objects twice when no processor applied (BeamSearch.step: one topk)
+        return list(zip(rows if processed is raw else processed, rows, masked))
 
     def _fork_beam(self, parent: Sequence) -> Sequence:
         child = self._new_seq(parent.request, list(parent.token_ids), parent.index)
