@@ -8,9 +8,9 @@
 2. api: the same four requests (web/modes.py builds them) through the replica's OpenAI API, concurrently, streaming,
    no browser: TTFT and TPOT per request as the HTTP client sees them.
 3. in-process: the same four requests in one LLMEngine, timed around engine.step() as the API path is timed.
-4. breakdown: one decode step's ms split into linears, attention, the rest of the model, input preparation,
-   sampler and the rest (engine_service/bench/step_profile.py), for the greedy request alone (batch 1) and for
-   the four requests together, in one LLMEngine.
+4. breakdown: one decode step's ms split into linears, attention, the fused layer stack, the rest of the model,
+   input preparation, sampler and the rest (engine_service/bench/step_profile.py), for the greedy request alone
+   (batch 1) and for the four requests together, in one LLMEngine.
 The API streams a beam request's outputs once final (an append-only stream cannot show beams overtaking each
 other), so there its TTFT is the whole run and it has no TPOT.
 Every path runs play's configuration unless told otherwise (server/play.apply_play_defaults: on a CPU int8 weights

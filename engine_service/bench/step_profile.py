@@ -6,7 +6,9 @@ around the pieces, wrapped on this engine instance for the measurement only:
 
   linears    every Linear of the decoder and the LM head (compute_logits)
   attention  each layer's paged attention call (KV store + decode / prefill kernels)
-  model_rest the forward minus those two: embedding, RMSNorms, RoPE, SiLU x up, residual adds
+  layers     the decoder stack as one C call, where a decode step takes it (models/fused_decode.py): its
+             linears, attention and layer ops are not split further
+  model_rest the forward minus those: embedding, RMSNorms, RoPE, SiLU x up, residual adds
   prepare    the model runner's batch tensors (token ids, positions, slot mapping, block tables)
   sampler    sampling (_sample), speculative verification (_verify) and beam steps (_beam_step), with
              their Python: processors, top-k / top-p, log-probs, noise, beam bookkeeping
@@ -25,7 +27,7 @@ import torch
 
 from engine_service.engine.models.packed_linear import Linear
 
-PARTS = ("linears", "attention", "model_rest", "prepare", "sampler", "rest")
+PARTS = ("linears", "attention", "layers", "model_rest", "prepare", "sampler", "rest")
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
@@ -75,6 +77,8 @@ def _instrumented(engine, clock: _Clock):
             undo += [m.register_forward_pre_hook(before).remove, m.register_forward_hook(after).remove]
     for layer in model.layers:
         patch(layer.self_attn, "attn", "attention")
+    if getattr(model, "fused_decode", None):  # built by the warm-up's decode steps where it applies
+        patch(model.fused_decode, "run", "layers")
     patch(model, "compute_logits", "head")
     patch(runner, "forward", "forward")
     prepare = runner.prepare
@@ -137,7 +141,9 @@ def step_breakdown(engine, requests: list[tuple], steps: int = 16, clock: str = 
     ms = {k: v * 1e3 / timed for k, v in timer.totals.items()}
     out = {"steps": timed, "rows_per_step": timer.rows / timed, "step_ms": total * 1e3 / timed,
            "linears_ms": ms.get("linears", 0.0) + ms.get("head", 0.0), "attention_ms": ms.get("attention", 0.0),
-           "model_rest_ms": ms.get("forward", 0.0) - ms.get("linears", 0.0) - ms.get("attention", 0.0),
+           "layers_ms": ms.get("layers", 0.0),
+           "model_rest_ms": ms.get("forward", 0.0) - ms.get("linears", 0.0) - ms.get("attention", 0.0)
+           - ms.get("layers", 0.0),
            "prepare_ms": ms.get("prepare", 0.0), "sampler_ms": ms.get("sampler", 0.0)}
     out["rest_ms"] = out["step_ms"] - sum(out[f"{p}_ms"] for p in PARTS if p != "rest")
     return out

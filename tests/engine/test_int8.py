@@ -226,6 +226,7 @@ def test_split_weight_sends_generated_rows_to_avx2_and_prompt_rows_to_fbgemm(tin
     # and every generated token (a decode row) to avx2
     monkeypatch.setenv("DECODELAB_INT8_KERNEL", "fbgemm")
     llm = LLM(model=str(tiny_llama_dir), quantization="int8", block_size=4)
+    llm.engine.runner.model.fused_decode = False  # the module path, whose calls are counted (test_fused_decode.py)
     qkv = llm.engine.runner.model.layers[0].self_attn.qkv_proj.int8
     seen = {"generated": [], "prompt": []}
     for kind in seen:

@@ -1,10 +1,10 @@
 """kernels/_cbuild.py: where a C kernel cannot be built, it says why and leaves nothing behind."""
 import pytest
 
-from kernels import _cbuild, cpu_decode_attention, cpu_int8, cpu_layer_ops, cpu_logits
+from kernels import _cbuild, cpu_decode_attention, cpu_decoder, cpu_int8, cpu_layer_ops, cpu_logits
 
 
-@pytest.mark.parametrize("module", [cpu_int8, cpu_decode_attention, cpu_layer_ops, cpu_logits])
+@pytest.mark.parametrize("module", [cpu_int8, cpu_decode_attention, cpu_layer_ops, cpu_logits, cpu_decoder])
 def test_without_a_compiler_it_reports_why_and_does_not_build(module, monkeypatch, tmp_path):
     if module.unavailable() is not None:
         pytest.skip(f"it does not build here anyway: {module.unavailable()}")

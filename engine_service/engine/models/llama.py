@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_service.engine.attention import AttentionMetadata, PagedAttention
+from engine_service.engine.models.fused_decode import FusedDecode
 from engine_service.engine.models.int8_linear import (
     HeadWeight,
     Int8Weight,
@@ -183,6 +184,7 @@ class CausalLM(nn.Module):
         self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
         self.packed_head: torch.Tensor | None = None
         self.quantized_head: HeadWeight | Int8Weight | None = None  # quantize_int8
+        self.fused_decode: FusedDecode | bool | None = None  # _fused: None until tried, False where it cannot run
         cos, sin = rope_tables(config, config.max_position_embeddings)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -195,11 +197,24 @@ class CausalLM(nn.Module):
         sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)  # apply_rope's signed sin, once per step
         token = generated_rows.set(meta.num_generated)  # which rows an int8 RowSplitWeight sends where
         try:
-            for layer in self.layers:
-                x = layer(x, cos, sin, meta)
+            fused = self._fused(x, meta)
+            if fused is not None:
+                x = fused.run(x, cos, sin, meta)
+            else:
+                for layer in self.layers:
+                    x = layer(x, cos, sin, meta)
         finally:
             generated_rows.reset(token)
         return self.norm(x)
+
+    def _fused(self, x: torch.Tensor, meta: AttentionMetadata) -> FusedDecode | None:
+        """The one-call layer stack (fused_decode.py) when this step can take it, built on first use; False in
+        `fused_decode` remembers that the model as it stands cannot (quantize_int8 clears it)."""
+        if self.fused_decode is False or not FusedDecode.applies(x, meta):
+            return None
+        if self.fused_decode is None or not self.fused_decode.current():
+            self.fused_decode = FusedDecode.build(self) or False
+        return self.fused_decode or None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.quantized_head is not None:
@@ -225,6 +240,7 @@ class CausalLM(nn.Module):
         activation outliers are smoothed into the weights of the matmuls on fbgemm first (int8 activations need
         it; weight-only int8 and int16 activations do not)."""
         kernels = projection_kernels(kernel)
+        self.fused_decode = None  # decided again on the next decode step
         if act_amax is not None:
             for layer in self.layers:
                 layer.smooth(act_amax, [p for p, k in kernels.items() if "fbgemm" in k])

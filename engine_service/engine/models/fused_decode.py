@@ -1,0 +1,99 @@
+"""Every decoder layer of a CPU decode step in one C call (kernels/cpu_decoder.c), for int8 models on our kernel.
+
+At the few rows of a decode step the module path spends ~5 ms of a SmolLM2 step (2-core AVX2 target) in Python,
+ctypes and PyTorch bookkeeping around its ~10 C calls per layer. `FusedDecode` hands the whole layer stack to one
+C call that makes the same calls into the same libraries, so the numbers are bit for bit the module path's
+(tested). It runs a step when:
+- the model is on the CPU in fp32 with every decoder matmul on our int8 kernel for generated rows (`--quantization
+  int8`, where kernels/cpu_int8.c builds; `RowSplitWeight` or `Int8Weight("avx2")`);
+- the C layer ops and decode attention are enabled (not DECODELAB_CPU_KERNELS=torch) and take the model's shapes,
+  over an fp32 KV cache;
+- every row of the step is a generated token laid out as a decode row (`AttentionMetadata.num_generated` and
+  `num_decode` equal the rows; ModelRunner.prepare does so for decoding and speculative verification), none of
+  them padding.
+Anything else (prefill, prompt chunks, an int8 KV cache, fp32 weights) runs the module path.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from engine_service.engine.attention import AttentionMetadata
+from engine_service.engine.models.int8_linear import Int8Weight, RowSplitWeight
+from kernels import cpu_decode_attention, cpu_decoder, cpu_layer_ops
+
+
+def _generated_matrix(linear):
+    """The cpu_int8.Matrix a Linear multiplies generated rows by, or None."""
+    w = getattr(linear, "int8", None)
+    if isinstance(w, RowSplitWeight):
+        w = w.generated
+    return w.matrix if isinstance(w, Int8Weight) else None
+
+
+class FusedDecode:
+    """The pointers the C call needs, gathered once; `run(x, cos, sin, meta)` is the layer stack."""
+
+    def __init__(self, model, layers: list, matrices: list[tuple]):
+        first = model.layers[0]
+        attn = first.self_attn
+        self.layers = model.layers
+        self.caches = [(layer.self_attn.k_cache, layer.self_attn.v_cache) for layer in model.layers]
+        self.shape = cpu_decoder.Shape(len(layers), model.config.hidden_size, attn.num_heads, attn.num_kv_heads,
+                                       attn.head_dim, model.config.intermediate_size, attn.k_cache.shape[1],
+                                       first.input_layernorm.eps, attn.attn.scale)
+        self.structs = (cpu_decoder.Layer * len(layers))(*layers)
+        self.ops = cpu_decoder.ops()
+        self._keep = matrices  # the Matrix objects whose memory the structs point into
+
+    @classmethod
+    def build(cls, model) -> FusedDecode | None:
+        """The plan for `model` as it is now (weights quantized, caches bound), or None where it cannot run."""
+        if cpu_decoder.unavailable() is not None or not (cpu_layer_ops.enabled() and cpu_decode_attention.enabled()):
+            return None
+        if model.config.model_type not in ("llama", "qwen2") or model.embed_tokens.weight.dtype != torch.float32:
+            return None
+        layers, matrices = [], []
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            ms = [_generated_matrix(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            caches = (attn.k_cache, attn.v_cache)
+            if any(m is None for m in ms) or any(c is None for c in caches):
+                return None
+            if not (attn.attn.torch_backend and attn.attn.k_scale is None and attn.head_dim % 2 == 0
+                    and all(c.dtype == torch.float32 and c.is_cpu and c.is_contiguous() for c in caches)
+                    and cpu_decode_attention.supports(torch.empty(1, attn.num_heads, attn.head_dim), attn.k_cache)):
+                return None
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            if not all(w.dtype == torch.float32 and w.is_contiguous() and w.is_cpu for w in norms):
+                return None
+            layers.append(cpu_decoder.Layer(norms[0].data_ptr(), norms[1].data_ptr(),
+                                            *(cpu_decoder.matrix_ptrs(m) for m in ms),
+                                            caches[0].data_ptr(), caches[1].data_ptr()))
+            matrices.append(tuple(ms))
+        return cls(model, layers, matrices)
+
+    def current(self) -> bool:
+        """Whether the caches are still the ones the plan points into (the model runner binds them once)."""
+        return all(layer.self_attn.k_cache is k and layer.self_attn.v_cache is v
+                   for layer, (k, v) in zip(self.layers, self.caches))
+
+    @staticmethod
+    def applies(x: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Whether this step is one the C call takes: fp32 rows on the CPU, all of them generated decode rows."""
+        m = x.shape[0]
+        return (m > 0 and x.dtype == torch.float32 and x.is_cpu and x.is_contiguous() and meta.num_decode == m
+                and meta.num_generated == m and meta.store_slots()[1] is None)
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """x [M, hidden] through every layer (in place; returned). cos / sin as CausalLM.forward makes them."""
+        cos, sin = cos.contiguous(), sin.contiguous()
+        slots = meta.store_slots()[0].contiguous()
+        tables = meta.decode_tables()
+        bt, ldbt, lens = tables._tables
+        if cpu_decoder.KERNEL.lib.dl_decode_layers(
+                ctypes.byref(self.ops), ctypes.byref(self.shape), self.structs, x.data_ptr(), x.shape[0],
+                cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), bt, ldbt, lens):
+            raise MemoryError("cpu_decoder: no memory for a decode step's activations")
+        return x
