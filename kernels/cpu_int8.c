@@ -85,7 +85,8 @@ static inline __m128 reduce4(__m256i a0, __m256i a1, __m256i a2, __m256i a3) {
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-/* The blocks: rows of xq (Kp apart) times a packed group g, over Kp / 16 k-steps of 64 bytes. s[i][j]: lane sums
+/* The blocks: rows of xq (Kp apart) times a packed group g, over Kp / 16 k-steps of 64 bytes. Each is written out
+   with named accumulators: one generic block over arrays (tried) spilled them and ran 4 rows ~1.4x slower. s[i][j]: lane sums
    of row i and output j (of the 2 at g for the x2 blocks). Each k-step prefetches `ahead` bytes on. */
 static void block_1x4(const int16_t* x, int64_t Kp, const int8_t* g, int64_t ahead, float s[4][4]) {
     __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
