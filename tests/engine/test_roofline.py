@@ -4,7 +4,7 @@ import math
 import time
 
 from engine_service import LLM, SamplingParams
-from engine_service.engine.roofline import Chunk, CostModel, ModelShape, measure_roofs
+from engine_service.engine.roofline import Chunk, CostModel, ModelShape, engine_roofs, measure_roofs
 from tests.helpers import GREEDY, random_prompt
 
 # tests/tiny_models.py: hidden 64, 2 layers, 4 heads of 16, 2 KV heads, intermediate 128, vocab 512
@@ -122,3 +122,12 @@ def test_with_int8_weights_the_int8_linear_is_the_compute_roof():
     roofs = measure_roofs(1, int8_kernel="dequant")
     assert roofs.kind == "int8" and roofs.flops_per_s > 0 and roofs.matmul_flops_per_s > 0
     assert roofs.to_dict()["kind"] == "int8"
+
+
+def test_bench_throughput_measures_int8_decode_against_the_int8_roof(tiny_llama_dir):
+    from engine_service.bench.throughput import decode_roof
+
+    assert decode_roof(LLM(str(tiny_llama_dir)), 123.0) == 123.0  # float weights: the GEMM peak it was given
+    int8 = LLM(str(tiny_llama_dir), quantization="int8")
+    assert decode_roof(int8, 123.0) == engine_roofs(int8.engine).flops_per_s / 1e9
+    assert engine_roofs(int8.engine).kind == "int8"
