@@ -108,27 +108,35 @@ def linear_paths(model, rows=(1, 2, 8, 128, 512), repeats: int = 5) -> dict:
 
 
 def batched_decode(llm, batch: int, context: int, steps: int = 8) -> dict:
-    """Steady-state decode steps of `batch` sequences at ~`context` tokens: FLOP rate vs the roof."""
+    """Steady-state decode steps of `batch` sequences at ~`context` tokens (`mean_keys`: the mean context a
+    timed step attends over): FLOP rate vs the roof. Raises if fewer than `batch` sequences decode."""
     engine = llm.engine
-    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=steps + 4)
+    # chunked prefill decodes the sequences whose prompts are done while the rest prefill: max_tokens leaves room
+    # for those steps, so that all `batch` sequences still decode in the timed steps (aborted after them)
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=context + steps)
     for i in range(batch):
         engine.add_request(f"roof-{i}", [100 + (i + j) % 5000 for j in range(context)], params)
     while any(s.num_computed_tokens < s.num_tokens - 1 for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()  # prefill everything
-    times = []
+    times, keys = [], []
     for _ in range(steps):
+        running = engine.scheduler.running
+        if len(running) != batch:
+            raise RuntimeError(f"batched decode: {len(running)} of {batch} sequences decode "
+                               "(too few KV blocks or max_num_seqs for the batch)")
+        keys.append(sum(s.num_tokens for s in running) / batch)  # the keys a new token attends to, on average
         t = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t)
-    while engine.has_unfinished():
-        engine.step()
+    for i in range(batch):
+        engine.abort(f"roof-{i}")
     cfg, model = engine.runner.hf_config, engine.runner.model
     head_dim = hf_head_dim(cfg)
-    attn = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * (context + steps // 2)
+    attn = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * median(keys)
     flops = batch * (matmul_flops_per_token(model) + attn)
     step = median(times)
-    return {"batch": batch, "context": context, "step_ms": step * 1e3, "gflops": flops / step / 1e9,
-            "tok_per_s": batch / step}
+    return {"batch": batch, "context": context, "mean_keys": median(keys), "step_ms": step * 1e3,
+            "gflops": flops / step / 1e9, "tok_per_s": batch / step}
 
 
 def decode_roof(llm, peak_gflops: float) -> float:

@@ -131,3 +131,16 @@ def test_bench_throughput_measures_int8_decode_against_the_int8_roof(tiny_llama_
     int8 = LLM(str(tiny_llama_dir), quantization="int8")
     assert decode_roof(int8, 123.0) == engine_roofs(int8.engine).flops_per_s / 1e9
     assert engine_roofs(int8.engine).kind == "int8"
+
+
+def test_bench_batched_decode_times_steps_in_which_every_sequence_decodes(tiny_llama_dir):
+    from engine_service.bench.throughput import batched_decode
+
+    # a small step budget: the prompts prefill over 8 steps while the first ones to finish already decode
+    llm = LLM(str(tiny_llama_dir), max_num_batched_tokens=32)
+    model, rows = llm.engine.runner.model, []
+    forward = model.forward
+    model.forward = lambda ids, *a, **k: rows.append(ids.shape[0]) or forward(ids, *a, **k)
+    res = batched_decode(llm, batch=4, context=60, steps=3)
+    assert rows[-3:] == [4, 4, 4] and not llm.engine.has_unfinished()
+    assert res["batch"] == 4 and 60 < res["mean_keys"] < 60 + 3 + 8 and res["tok_per_s"] > 0
