@@ -154,7 +154,8 @@ def run(args) -> int:
     llm = LLM(config=engine_config_from_args(args))
     vocab = llm.engine.vocab_size
     work = mixed_workload(args.num_requests, vocab, seed=args.seed)
-    res = {"model": args.model, "dtype": llm.engine.config.dtype, "threads": torch.get_num_threads(),
+    res = {"model": args.model, "dtype": llm.engine.config.dtype, "quantization": llm.engine.config.quantization,
+           "threads": torch.get_num_threads(),
            "machine": f"{platform.processor() or platform.machine()} x{torch.get_num_threads()} threads",
            "cpu": cpu_info(),
            "workload": {"requests": len(work.prompts), "prompt_tokens": sum(map(len, work.prompts)),
@@ -218,7 +219,8 @@ def plot(res: dict, path) -> None:
     vals = [res[key]["tok_per_s"] for _, key, _ in runs]
     a.bar([label for label, _, _ in runs], vals, color=[color for _, _, color in runs])
     a.set_ylabel("generated tok/s")
-    a.set_title(f"{res['model']} {res['dtype']}, {res['workload']['requests']} requests")
+    weights = " int8 weights" if res.get("quantization") == "int8" else ""
+    a.set_title(f"{res['model']} {res['dtype']}{weights}, {res['workload']['requests']} requests")
     for i, v in enumerate(vals):
         a.text(i, v, f"{v:.0f}", ha="center", va="bottom")
     waste = [res["ours"]["kv_waste_paged"], res["ours"]["kv_waste_contiguous_request_max"]]
