@@ -132,10 +132,10 @@ def batched_decode(llm, batch: int, context: int, steps: int = 8) -> dict:
         engine.abort(f"roof-{i}")
     cfg, model = engine.runner.hf_config, engine.runner.model
     head_dim = hf_head_dim(cfg)
-    attn = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * median(keys)
+    mean_keys, step = median(keys), median(times)
+    attn = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * mean_keys
     flops = batch * (matmul_flops_per_token(model) + attn)
-    step = median(times)
-    return {"batch": batch, "context": context, "mean_keys": median(keys), "step_ms": step * 1e3,
+    return {"batch": batch, "context": context, "mean_keys": mean_keys, "step_ms": step * 1e3,
             "gflops": flops / step / 1e9, "tok_per_s": batch / step}
 
 
