@@ -2,6 +2,11 @@
 
 Pure bookkeeping over block ids; the KV tensors live in the model runner. A sequence is any object
 with `token_ids`, `num_computed_tokens`, `block_table` and `block_hashes` (see sequence.py).
+
+KV events: once `record_events()` is called, every hash entering the prefix cache and every hash leaving
+it is recorded, in order, until `take_events()` hands them over. A replica publishes them so that routers
+know which replica holds which prefix (docs/redis-protocol.md, "Prefix-aware routing"); the hash is the
+chain below, which `shared/routing.py` computes the same way from token ids.
 """
 import hashlib
 from array import array
@@ -35,6 +40,12 @@ def chain_hash(parent: bytes | None, token_ids: tuple[int, ...]) -> bytes:
     return h.digest()
 
 
+@dataclass(frozen=True)
+class KVEvent:
+    stored: bool  # True: the hash entered the prefix cache; False: it left it (evicted or rewritten)
+    block_hash: bytes
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         if num_blocks < 1:
@@ -50,6 +61,17 @@ class BlockManager:
         self.cached: dict[bytes, int] = {}
         self.num_shared = 0  # blocks with ref_count > 1, kept current so stats are O(1)
         self.stats = BlockStats()
+        self.events: list[KVEvent] | None = None  # None: not recording (nobody would drain them)
+
+    # ---- KV events
+    def record_events(self) -> None:
+        """Start recording KV events; `take_events` must then be called regularly (the list grows until it is)."""
+        if self.events is None:
+            self.events = []
+
+    def take_events(self) -> list[KVEvent]:
+        events, self.events = self.events or [], ([] if self.events is not None else None)
+        return events
 
     # ---- queries
     @property
@@ -115,6 +137,8 @@ class BlockManager:
     def _uncache(self, block: Block) -> None:
         if self.cached.get(block.hash) == block.block_id:
             del self.cached[block.hash]
+            if self.events is not None:
+                self.events.append(KVEvent(False, block.hash))
         block.hash, block.token_ids, block.parent = None, (), None
 
     def match_prefix(self, seq) -> int:
@@ -199,6 +223,8 @@ class BlockManager:
             if h not in self.cached and block.hash is None:
                 block.hash, block.token_ids, block.parent = h, tokens, parent
                 self.cached[h] = block.block_id
+                if self.events is not None:
+                    self.events.append(KVEvent(True, h))
 
     def fork(self, parent, child) -> None:
         """`child` shares every block of `parent`; the first write into a shared block copies it."""

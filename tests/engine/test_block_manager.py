@@ -246,6 +246,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 caching=st.sampled_from([True, True, True, True, False]))
     def setup(self, num_blocks, block_size, caching):
         self.bm = BlockManager(num_blocks, block_size, caching)
+        self.bm.record_events()
+        self.published: set[bytes] = set()  # what a router knows from the KV events so far
         self.bs = block_size
         self.seqs: list[FakeSeq] = []
         self.kv: list[list[tuple | None]] = [[None] * block_size for _ in range(num_blocks)]
@@ -402,6 +404,19 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert block.hash is None or bm.cached.get(block.hash) == block.block_id
 
 
+    @invariant()
+    def kv_events_replay_to_the_cached_hashes(self):
+        """A router that applies the events in order knows exactly which prefixes this cache holds."""
+        for ev in self.bm.take_events():
+            if ev.stored:
+                assert ev.block_hash not in self.published, "stored twice without a removal between"
+                self.published.add(ev.block_hash)
+            else:
+                assert ev.block_hash in self.published, "removed what was never stored"
+                self.published.remove(ev.block_hash)
+        assert self.published == set(self.bm.cached)
+
+
 TestBlockManagerStateful = BlockManagerMachine.TestCase
 TestBlockManagerStateful.settings = settings(max_examples=600, stateful_step_count=40, deadline=None)
 
@@ -415,7 +430,14 @@ def uncache_that_leaves_a_stale_entry(self, block):
     block.hash, block.token_ids, block.parent = None, (), None
 
 
+def uncache_without_an_event(self, block):
+    if self.cached.get(block.hash) == block.block_id:
+        del self.cached[block.hash]
+    block.hash, block.token_ids, block.parent = None, (), None
+
+
 PLANTED_BUGS = {
+    "eviction not reported as a KV event": ("_uncache", uncache_without_an_event),
     "no copy-on-write": ("_shared_write_index", lambda self, seq, n: None),
     "fork without ref counts": ("fork", fork_without_incref),
     "eviction leaves a stale cache entry": ("_uncache", uncache_that_leaves_a_stale_entry),
