@@ -30,6 +30,7 @@ from shared.protocol import (
     decode_event,
     encode,
 )
+from shared.router import Route, Router, routing_enabled, safe_route
 from shared.scripts import SUBMIT
 from shared.subscriber import RECONNECTED, Subscriber
 
@@ -78,6 +79,8 @@ class Submission:
     events: asyncio.Queue  # raw event payloads from the subscriber (or RECONNECTED)
     channel: str
     subscriber: Subscriber
+    stream: str  # the stream it was queued on: the shared one, or the routed replica's
+    route: Route | None = None  # the router's decision (None: routing off)
     gaps: int = 0  # sequence gaps seen; after one, tokens are skipped and the result key is used
     restarts: int = 0  # times a replica re-ran the request (its first replica died)
 
@@ -131,7 +134,7 @@ class TextAccumulator:
 class EngineClient:
     def __init__(self, redis: aioredis.Redis | str, keys: Keys | None = None, *, max_queue: int | None = None,
                  max_per_client: int | None = None, recover_after: float = 3.0, lost_after: float = 5.0,
-                 timeout: float = 600.0, result_ttl: int = 3600) -> None:
+                 timeout: float = 600.0, result_ttl: int = 3600, route: bool | None = None) -> None:
         self.redis = connect(redis) if isinstance(redis, str) else redis
         self.subscriber = Subscriber(self.redis)
         self.keys = keys or Keys.from_env()
@@ -143,13 +146,18 @@ class EngineClient:
         self.cancel_ttl = result_ttl
         self._submit = self.redis.register_script(SUBMIT)
         self._group_ready = False
+        # prefix-aware routing (shared/router.py) unless turned off (DECODELAB_ROUTING=0): the shared stream then
+        self.router = Router(self.redis, self.keys) if (routing_enabled() if route is None else route) else None
 
     async def close(self) -> None:
         await self.subscriber.close()
         await self.redis.aclose()
 
-    async def submit(self, request: GenerationRequest) -> Submission:
-        """Subscribe to the request's channel, then enqueue it; raises QueueFull (or ClientBusy) beyond the bounds."""
+    async def submit(self, request: GenerationRequest, route_key: str | None = None) -> Submission:
+        """Subscribe to the request's channel, then enqueue it; raises QueueFull (or ClientBusy) beyond the bounds.
+
+        With routing on, it is queued for the replica that holds the longest prefix of it net of load (requests
+        with the same `route_key` stay together); else, or with no replica live, on the shared stream."""
         if not self._group_ready:
             await ensure_group(self.redis, self.keys)
             self._group_ready = True
@@ -157,12 +165,14 @@ class EngineClient:
         if p.seed is None and p.temperature > 0 and p.mode not in ("greedy", "beam"):
             # A sampled request gets its seed here, so a re-run after a replica dies continues the same text
             request = request.model_copy(update={"params": p.model_copy(update={"seed": random_seed()})})
+        route = await safe_route(self.router, request, route_key) if self.router is not None else None
+        stream = route.stream if route is not None else self.keys.stream
         channel = self.keys.events(request.request_id)
         events = await self.subscriber.subscribe(channel)  # confirmed before the request exists: nothing is missed
         try:
             per_client = self.max_per_client if request.client_id else 0
             ok, value = await self._submit(
-                keys=[self.keys.stream, self.keys.client(request.client_id)],
+                keys=[stream, self.keys.client(request.client_id), self.keys.streams],
                 args=[self.keys.group, self.max_queue, PROTOCOL_VERSION, request.request_id, encode(request),
                       per_client, int(self.timeout) + 60])
             if int(ok) == 2:
@@ -173,7 +183,7 @@ class EngineClient:
         except BaseException:
             await self.subscriber.unsubscribe(channel)
             raise
-        return Submission(request, _s(value), events, channel, self.subscriber)
+        return Submission(request, _s(value), events, channel, self.subscriber, stream, route)
 
     async def result(self, request_id: str) -> TerminalEvent | None:
         data = await self.redis.get(self.keys.result(request_id))
@@ -192,7 +202,7 @@ class EngineClient:
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.get(self.keys.result(rid))
             pipe.exists(self.keys.owner(rid))
-            pipe.xrange(self.keys.stream, sub.entry_id, sub.entry_id)
+            pipe.xrange(sub.stream, sub.entry_id, sub.entry_id)
             pipe.get(self.keys.result(rid))  # it may have finished between the checks
             done, owned, queued, done_after = await pipe.execute()
         if (data := done or done_after) is not None:

@@ -24,6 +24,26 @@ class Keys:
         return f"{self.prefix}:replicas"
 
     @property
+    def streams(self) -> str:  # set: every request stream (the shared one and each replica's), for claims and steals
+        return f"{self.prefix}:streams"
+
+    @property
+    def live(self) -> str:  # sorted set: replica name -> heartbeat expiry (unix ms); routers list replicas here
+        return f"{self.prefix}:live"
+
+    def replica_stream(self, name: str) -> str:  # requests routed to one replica (same group, stealable)
+        return f"{self.prefix}:requests:{name}"
+
+    def kv_blocks(self, name: str) -> str:  # set: the block hashes in replica's prefix cache (its KV events)
+        return f"{self.prefix}:kvblocks:{name}"
+
+    def tokenizer(self, model: str) -> str:  # hash: file name -> text of the model's tokenizer files, for routers
+        return f"{self.prefix}:tokenizer:{model}"
+
+    def affinity(self, route_key: str) -> str:  # the replica a route key (a playground run, a chat) went to last
+        return f"{self.prefix}:affinity:{route_key}"
+
+    @property
     def dead_letter(self) -> str:  # requests that crashed replicas max_attempts times, kept for a person to read
         return f"{self.prefix}:dead"
 

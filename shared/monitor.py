@@ -113,14 +113,16 @@ def _stream_id(entry_id: str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
-async def queue_position(r: aioredis.Redis, keys: Keys, entry_id: str, limit: int = 1000) -> int | None:
+async def queue_position(r: aioredis.Redis, keys: Keys, entry_id: str, stream: str | None = None,
+                         limit: int = 1000) -> int | None:
     """1-based place of a stream entry among those no replica has taken yet; None once a replica took it."""
-    groups = await r.xinfo_groups(keys.stream)
+    stream = stream or keys.stream
+    groups = await r.xinfo_groups(stream)
     group = next((g for g in groups if _s(g.get("name", "")) == keys.group), None)
     last = _s(group.get("last-delivered-id", "0-0")) if group else "0-0"
     if _stream_id(entry_id) <= _stream_id(last):
         return None
-    ahead = await r.xrange(keys.stream, min=f"({last}", max=entry_id, count=limit)
+    ahead = await r.xrange(stream, min=f"({last}", max=entry_id, count=limit)
     return max(1, len(ahead))
 
 

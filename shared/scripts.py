@@ -1,8 +1,10 @@
 """The Redis protocol's atomic steps as Lua scripts (see docs/redis-protocol.md)."""
 
-# Client submit with a bounded queue and a bound per client. KEYS: stream, client set. ARGV: group, max waiting,
-# version, request id, request JSON, max per client (0: none), seconds a request may hold its client slot.
-# Waiting = entries not yet delivered to a replica (XLEN minus the group's pending count; done entries are deleted).
+# Client submit with a bounded queue and a bound per client. KEYS: stream, client set, stream registry. ARGV:
+# group, max waiting, version, request id, request JSON, max per client (0: none), seconds a request may hold its
+# client slot. The stream is the shared one or a replica's own (routing); a new one gets the group and is
+# registered, so every replica's claims and steals find it. Waiting = entries of that stream not yet delivered to a
+# replica (XLEN minus the group's pending count; done entries are deleted).
 # The client set holds the client's unfinished request ids scored by expiry (server time), so a request whose
 # finish never came (a lost Redis entry) frees its slot by itself; the finish script removes the id.
 SUBMIT = """
@@ -13,6 +15,10 @@ if limit > 0 then
   local busy = redis.call('ZCARD', KEYS[2])
   if busy >= limit then return {2, tostring(busy)} end
 end
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  pcall(redis.call, 'XGROUP', 'CREATE', KEYS[1], ARGV[1], '0', 'MKSTREAM')
+end
+redis.call('SADD', KEYS[3], KEYS[1])
 local ok, pending = pcall(redis.call, 'XPENDING', KEYS[1], ARGV[1])
 local inflight = 0
 if ok then inflight = tonumber(pending[1]) end
@@ -74,4 +80,15 @@ for _, c in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])) do
   end
 end
 return 0
+"""
+
+# Forget a gone replica's own request stream once it is empty. KEYS: the stream, its replica's heartbeat key, the
+# stream registry. Returns 1 if it was removed. A router that still routes there re-creates it with the submit
+# script, and the other replicas then steal what it holds (its replica has no heartbeat).
+REMOVE_ORPHAN_STREAM = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+if redis.call('XLEN', KEYS[1]) > 0 then return 0 end
+redis.call('DEL', KEYS[1])
+redis.call('SREM', KEYS[3], KEYS[1])
+return 1
 """

@@ -55,6 +55,7 @@ class Column:
     error_code: str | None = None
     queue_position: int | None = None
     entry_id: str | None = None  # the request's Redis stream entry
+    stream: str | None = None  # the stream it was queued on (the replica it was routed to, or the shared one)
     outputs: dict[int, Output] = field(default_factory=dict)
     submitted_at: float | None = None  # unix time (the request's created_at)
     first_token_at: float | None = None

@@ -77,6 +77,8 @@ class Run:
         # "compare proposers": the speculative request again with the other proposer, shown beside the first
         self.rival: Column | None = None
         self.trees = {m: BranchTree.of(c) for m, c in self.columns.items()}  # each column's root + its branches
+        # the run's columns and branches share one replica's cache: the router sends them where the key went first
+        self.route_key = f"run-{new_request_id()}"
         self.started_at = time.time()
         self.kv: list[KVSnapshot] = []
         self.kv_peak: KVSnapshot | None = None  # the snapshot with the most blocks held by this run
@@ -189,14 +191,14 @@ class Run:
         col.submitted_at = col.request.created_at
         try:
             try:
-                sub = await asyncio.wait_for(client.submit(col.request), 5.0)
+                sub = await asyncio.wait_for(client.submit(col.request, self.route_key), 5.0)
             except QueueFull as e:
                 col.fail(str(e), e.code)  # queue_full, or too_many_requests for this browser session
                 return
             except (TimeoutError, RedisError, OSError) as e:
                 col.fail(f"Redis unreachable: {e or type(e).__name__}", "unavailable")
                 return
-            col.entry_id = sub.entry_id
+            col.entry_id, col.stream = sub.entry_id, sub.stream
             col.touch()
             self._changed.set()
             async for ev in client.stream(sub, timeout=600):
@@ -245,7 +247,8 @@ class Run:
         for col in self._roots():
             if col.status == "queued" and col.entry_id:
                 with contextlib.suppress(RedisError, OSError, asyncio.TimeoutError):
-                    pos = await asyncio.wait_for(monitor.queue_position(client.redis, keys, col.entry_id), 2)
+                    pos = await asyncio.wait_for(
+                        monitor.queue_position(client.redis, keys, col.entry_id, col.stream), 2)
                     if pos != col.queue_position:
                         col.queue_position = pos
                         col.touch()

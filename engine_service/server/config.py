@@ -32,8 +32,18 @@ class ReplicaConfig:
     max_attempts: int = field(default_factory=lambda: int(os.environ.get("DECODELAB_MAX_ATTEMPTS", 3)))
     # a group consumer with nothing pending, no heartbeat and idle this long is removed (a replica that is gone)
     consumer_gc_idle_s: float = 300.0
+    # an entry routed to a live replica that has waited this long in its queue may be taken by an idle replica
+    steal_after_s: float = field(default_factory=lambda: float(os.environ.get("DECODELAB_STEAL_AFTER_S", 2.0)))
     limits: Limits = field(default_factory=Limits.from_env)
+
+    @property
+    def own_stream(self) -> str:  # requests routed to this replica (shared/router.py)
+        return self.keys.replica_stream(self.name)
 
     @property
     def heartbeat_s(self) -> float:
         return min(1.0, self.claim_idle_s / 4)
+
+    @property
+    def kv_blocks_ttl_ms(self) -> int:  # the published prefix-cache set outlives its replica's last heartbeat this long
+        return int(self.heartbeat_s * 3000)

@@ -1,16 +1,19 @@
 """The control thread: cancellations (the cancel channel) and heartbeats (keeps this replica's pending entries
-fresh so nobody claims them, notices entries another replica claimed, publishes the replica's presence)."""
+fresh so nobody claims them, notices entries another replica claimed, publishes the replica's presence, keeps its
+prefix-cache set and its tokenizer in Redis for routers)."""
 from __future__ import annotations
 
 import logging
 import time
 
 from pydantic import BaseModel
+from redis.exceptions import ResponseError
 
 from engine_service.server.jobs import Cancel, Drop
 from engine_service.server.state import CONN_ERRORS, ReplicaState
 from shared.protocol import encode
-from shared.scripts import HEARTBEAT, REMOVE_DEAD_CONSUMER
+from shared.routing import tokenizer_files
+from shared.scripts import HEARTBEAT, REMOVE_DEAD_CONSUMER, REMOVE_ORPHAN_STREAM
 
 log = logging.getLogger("decodelab.replica")
 
@@ -22,6 +25,8 @@ class ReplicaInfo(BaseModel):
     precision: str = ""  # what the playground shows beside the model: "int8 weights", "float32", "..., int8 KV"
     draft_model: str = ""  # the engine's --draft-model ("": none): the playground offers the draft proposer then
     roofs: dict | None = None  # measured at start-up (engine/roofline.py Roofs): flops_per_s, bytes_per_s, kind, ...
+    accepting: bool = True  # pulling new requests (False while draining): routers send it nothing then
+    block_size: int = 16  # of its KV cache: routers hash prompts in blocks of this size
 
 
 def precision(config) -> str:
@@ -34,6 +39,8 @@ class Control:
         self.s = state
         self._heartbeat = state.redis.register_script(HEARTBEAT)
         self._remove_consumer = state.redis.register_script(REMOVE_DEAD_CONSUMER)
+        self._remove_stream = state.redis.register_script(REMOVE_ORPHAN_STREAM)
+        self._tokenizer: dict[str, str] | None = None  # its files, for routers (published while missing)
 
     def run(self) -> None:
         s = self.s
@@ -74,19 +81,34 @@ class Control:
         if pubsub is not None:
             pubsub.close()
 
+    def announce(self) -> None:
+        """A heartbeat now, from the caller's thread (a drain starting: routers must see `accepting` false)."""
+        try:
+            self._beat()
+        except CONN_ERRORS as e:
+            log.warning("control: could not announce the replica's state (%s)", e)
+
     def remove_dead_consumers(self) -> list[str]:
         """Forget group consumers that hold nothing, have no heartbeat and were idle for consumer_gc_idle_s: replicas
         that are gone (a consumer lives in the group until deleted). A live replica re-creates itself on its next
-        read."""
+        read. A gone replica's own stream goes too once it is empty (routers send nothing to a dead replica)."""
         s, keys = self.s, self.s.keys
         removed = []
-        for c in s.redis.xinfo_consumers(keys.stream, keys.group):
-            name = c["name"]
-            if name == s.cfg.name or c["pending"] or c["idle"] < s.cfg.consumer_gc_idle_s * 1000:
+        for stream in sorted(s.redis.smembers(keys.streams) | {keys.stream}):
+            try:
+                consumers = s.redis.xinfo_consumers(stream, keys.group)
+            except ResponseError:  # NOGROUP: a stream deleted meanwhile
                 continue
-            if self._remove_consumer(keys=[keys.stream, keys.replica(name)],
-                                     args=[keys.group, name, int(s.cfg.consumer_gc_idle_s * 1000)]):
-                removed.append(name)
+            for c in consumers:
+                name = c["name"]
+                if name == s.cfg.name or c["pending"] or c["idle"] < s.cfg.consumer_gc_idle_s * 1000:
+                    continue
+                if self._remove_consumer(keys=[stream, keys.replica(name)],
+                                         args=[keys.group, name, int(s.cfg.consumer_gc_idle_s * 1000)]):
+                    removed.append(name)
+            owner = stream.removeprefix(keys.replica_stream(""))
+            if stream != keys.stream and owner != s.cfg.name:
+                self._remove_stream(keys=[stream, keys.replica(owner), keys.streams])
         if removed:
             log.info("removed %d dead consumers from the group: %s", len(removed), ", ".join(removed))
         return removed
@@ -94,22 +116,52 @@ class Control:
     def _beat(self) -> None:
         s, keys = self.s, self.s.keys
         jobs = list(s.jobs.values())
-        args = [keys.group, s.cfg.name, keys.owner(""), int(s.cfg.claim_idle_s * 2000)]
+        by_stream: dict[str, list] = {}
         for job in jobs:
-            args += [job.entry_id, job.rid]
-        lost = self._heartbeat(keys=[keys.stream], args=args) if jobs else []
+            by_stream.setdefault(job.stream, []).append(job)
+        lost = []
+        for stream, held in by_stream.items():
+            args = [keys.group, s.cfg.name, keys.owner(""), int(s.cfg.claim_idle_s * 2000)]
+            for job in held:
+                args += [job.entry_id, job.rid]
+            lost += self._heartbeat(keys=[stream], args=args)
         for rid in lost:
             if (job := s.jobs.get(rid)) is not None:
                 log.warning("request %s was claimed by another replica; dropping it here", rid)
                 s.commands.put(Drop(job))
-        pipe = s.redis.pipeline(transaction=False)
+        ttl_ms = int(s.cfg.heartbeat_s * 3000)
         info = ReplicaInfo(model=s.cfg.model_name, running=len(jobs), capacity=s.capacity(),
                            precision=precision(s.engine.config), draft_model=s.engine.config.draft_model or "",
-                           roofs=s.roofs)
-        pipe.set(keys.replica(s.cfg.name), encode(info), px=int(s.cfg.heartbeat_s * 3000))
-        pipe.xlen(keys.stream)
-        pipe.xpending(keys.stream, keys.group)
-        _, length, pending = pipe.execute(raise_on_error=False)
-        if isinstance(length, int) and isinstance(pending, dict):
-            s.queue_length = max(0, length - pending["pending"])
+                           roofs=s.roofs, accepting=s.pulling.is_set(), block_size=s.engine.config.block_size)
+        pipe = s.redis.pipeline(transaction=False)
+        pipe.set(keys.replica(s.cfg.name), encode(info), px=ttl_ms)
+        (sec, usec) = s.redis.time()
+        now_ms = sec * 1000 + usec // 1000
+        pipe.zadd(keys.live, {s.cfg.name: now_ms + ttl_ms})
+        pipe.zremrangebyscore(keys.live, "-inf", now_ms)  # replicas whose heartbeat ran out
+        pipe.pexpire(keys.kv_blocks(s.cfg.name), s.cfg.kv_blocks_ttl_ms)
+        pipe.exists(keys.tokenizer(s.cfg.model_name))
+        for stream in (keys.stream, s.cfg.own_stream):
+            pipe.xlen(stream)
+            pipe.xpending(stream, keys.group)
+        _, _, _, kv_alive, has_tokenizer, *lengths = pipe.execute(raise_on_error=False)
+        s.queue_length = sum(max(0, length - pending["pending"]) for length, pending in zip(lengths[::2], lengths[1::2])
+                             if isinstance(length, int) and isinstance(pending, dict))
+        if kv_alive == 0 and s.stats.blocks_cached:  # Redis lost the set (a restart): publish it whole again
+            s.kv_resync.set()
+        if has_tokenizer == 0:
+            self._publish_tokenizer()
         s.redis_ok = True
+
+    def _publish_tokenizer(self) -> None:
+        """The model's tokenizer files under keys.tokenizer(model), so that fronts without the model can route."""
+        s = self.s
+        if not s.cfg.model_name:
+            return
+        if self._tokenizer is None:
+            self._tokenizer = tokenizer_files(s.engine.tokenizer)
+        key = s.keys.tokenizer(s.cfg.model_name)
+        pipe = s.redis.pipeline(transaction=True)
+        pipe.hset(key, mapping=self._tokenizer)
+        pipe.expire(key, 24 * 3600)
+        pipe.execute()

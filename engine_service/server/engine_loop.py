@@ -12,10 +12,22 @@ import time
 
 from engine_service.engine.sampling_params import SamplingParams
 from engine_service.server.events import done_event, error_event, token_events
-from engine_service.server.jobs import Add, AppendSteps, Cancel, Command, Drop, Job, Publish, StoreSnapshot
+from engine_service.server.jobs import (
+    Add,
+    AppendSteps,
+    Cancel,
+    Command,
+    Drop,
+    Job,
+    KVEvents,
+    KVSync,
+    Publish,
+    StoreSnapshot,
+)
 from engine_service.server.kv_snapshot import kv_snapshot
 from engine_service.server.state import ReplicaState
 from shared.protocol import DoneEvent, encode
+from shared.routing import routing_name
 
 log = logging.getLogger("decodelab.replica")
 
@@ -28,12 +40,18 @@ class EngineLoop:
         self._kv_last: dict | None = None
         self._kv_sent_at = 0.0
         self._steps_sent = self.engine.num_steps  # a shared engine (tests) may have stepped before this replica
+        self.engine.block_manager.record_events()  # drained after every step into KV events (routers read them)
+        state.kv_resync.set()  # the first publication is the whole cache (a shared engine may hold blocks already)
 
     def run(self) -> None:
         s = self.s
         while not s.stop.is_set():
             for command in self._commands():
                 self._apply(command)
+            if s.kv_resync.is_set():
+                s.kv_resync.clear()
+                self.engine.block_manager.take_events()  # the whole set below includes them
+                s.outbox.put(KVSync([routing_name(h) for h in self.engine.block_manager.cached]))
             self._check_deadlines()
             if self.engine.has_unfinished():
                 self._step()
@@ -63,6 +81,10 @@ class EngineLoop:
             self._fail_all("engine_error", f"engine step failed: {type(e).__name__}: {e}")
             return
         self._queue_steps()
+        # before this step's tokens: a client that saw a token (the playground's first column) finds its prefix
+        # published when it routes the next request
+        if events := self.engine.block_manager.take_events():
+            s.outbox.put(KVEvents([(ev.stored, routing_name(ev.block_hash)) for ev in events]))
         now = time.time()
         if outputs:
             s.max_batch = max(s.max_batch, len(outputs))

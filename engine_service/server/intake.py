@@ -1,7 +1,13 @@
-"""The intake thread: pulls requests from the Redis stream (XREADGROUP, and XAUTOCLAIM of entries whose replica
-died) as free capacity allows, refuses what it must, and hands the rest to the engine thread."""
+"""The intake thread: pulls requests from Redis as free capacity allows, refuses what it must, and hands the rest to
+the engine thread.
+
+It reads its own stream (requests routed to it, shared/router.py) and the shared stream in one XREADGROUP; claims
+(XAUTOCLAIM) entries that a dead replica left pending on any registered stream; and steals from other replicas'
+streams what waits there too long (`steal_after_s`) or whose replica is gone or draining. Every stream has the same
+consumer group, so an entry is delivered to one replica at a time however it gets there."""
 from __future__ import annotations
 
+import json
 import logging
 import re
 import time
@@ -15,6 +21,7 @@ from engine_service.server.state import CONN_ERRORS, ReplicaState
 from shared.protocol import PROTOCOL_VERSION, REQUEST_ID_PATTERN, GenerationRequest, decode_request, validation_message
 
 log = logging.getLogger("decodelab.replica")
+STEAL_CHECK_S = 0.25  # how often an idle replica looks at the other replicas' queues
 
 
 class Refused(Exception):
@@ -32,7 +39,7 @@ class Intake:
 
     def run(self) -> None:
         s = self.s
-        group_ok, last_claim, delay = False, 0.0, 0.1
+        group_ok, last_claim, last_steal, delay = False, 0.0, 0.0, 0.1
         while not s.stop.is_set():
             try:
                 if not group_ok:
@@ -42,16 +49,18 @@ class Intake:
                 if cap <= 0:
                     time.sleep(0.02)
                     continue
-                entries = []
+                entries: list[tuple[str, str, dict]] = []  # (stream, entry id, fields)
                 if time.monotonic() - last_claim >= s.cfg.claim_idle_s / 2:
                     entries = self._autoclaim(cap)
                     last_claim = time.monotonic()
                 if len(entries) < cap:
-                    for _, batch in s.redis.xreadgroup(s.keys.group, s.cfg.name, {s.keys.stream: ">"},
-                                                       count=cap - len(entries), block=s.cfg.read_block_ms) or []:
-                        entries.extend(batch)
-                for entry_id, fields in entries:
-                    self.accept(entry_id, fields)
+                    entries += self._read({s.cfg.own_stream: ">", s.keys.stream: ">"}, cap - len(entries),
+                                          s.cfg.read_block_ms)
+                if len(entries) < cap and time.monotonic() - last_steal >= STEAL_CHECK_S:
+                    entries += self._steal(cap - len(entries))
+                    last_steal = time.monotonic()
+                for stream, entry_id, fields in entries:
+                    self.accept(entry_id, fields, stream)
                 s.redis_ok, delay = True, 0.1
             except ResponseError as e:
                 if "NOGROUP" not in str(e):
@@ -68,32 +77,83 @@ class Intake:
                 time.sleep(delay)
 
     def _ensure_group(self) -> None:
-        try:
-            self.s.redis.xgroup_create(self.s.keys.stream, self.s.keys.group, id="0", mkstream=True)
-        except ResponseError as e:
-            if "BUSYGROUP" not in str(e):
-                raise
-
-    def _autoclaim(self, cap: int) -> list:
         s = self.s
-        claimed, start = [], "0-0"
-        for _ in range(64):  # walk the whole pending list, `cap` entries at a time
-            start, entries, *_ = s.redis.xautoclaim(s.keys.stream, s.keys.group, s.cfg.name,
-                                                    int(s.cfg.claim_idle_s * 1000), start_id=start, count=cap)
-            if any(entry_id is None for entry_id, _ in entries):  # Redis 6.2: deleted entries come back as nil
-                self._ack_deleted()
-            claimed.extend(e for e in entries if e[0] is not None)
-            if len(claimed) >= cap or start in ("0-0", b"0-0"):
+        for stream in (s.keys.stream, s.cfg.own_stream):
+            try:
+                s.redis.xgroup_create(stream, s.keys.group, id="0", mkstream=True)
+            except ResponseError as e:
+                if "BUSYGROUP" not in str(e):
+                    raise
+            s.redis.sadd(s.keys.streams, stream)
+
+    def _read(self, streams: dict[str, str], count: int, block: int | None) -> list[tuple[str, str, dict]]:
+        out = []
+        for stream, batch in self.s.redis.xreadgroup(self.s.keys.group, self.s.cfg.name, streams, count=count,
+                                                     block=block) or []:
+            out.extend((stream, entry_id, fields) for entry_id, fields in batch)
+        return out
+
+    def _autoclaim(self, cap: int) -> list[tuple[str, str, dict]]:
+        """Entries a dead replica left pending (idle past claim_idle_s), on every registered stream."""
+        s = self.s
+        claimed = []
+        for stream in sorted(s.redis.smembers(s.keys.streams)):
+            start = "0-0"
+            for _ in range(64):  # walk the whole pending list, `cap` entries at a time
+                try:
+                    start, entries, *_ = s.redis.xautoclaim(stream, s.keys.group, s.cfg.name,
+                                                            int(s.cfg.claim_idle_s * 1000), start_id=start, count=cap)
+                except ResponseError as e:  # a registered stream that is gone (NOGROUP): nothing to claim there
+                    if "NOGROUP" not in str(e):
+                        raise
+                    break
+                if any(entry_id is None for entry_id, _ in entries):  # Redis 6.2: deleted entries come back as nil
+                    self._ack_deleted(stream)
+                claimed.extend((stream, *e) for e in entries if e[0] is not None)
+                if len(claimed) >= cap or start in ("0-0", b"0-0"):
+                    break
+            if len(claimed) >= cap:
                 break
         return claimed
 
-    def _ack_deleted(self) -> None:
+    def _steal(self, cap: int) -> list[tuple[str, str, dict]]:
+        """Take what waits in other replicas' queues: all of it when the replica is gone or draining, else the
+        entries that have waited longer than steal_after_s (one per check: the owner may catch up)."""
+        s, keys = self.s, self.s.keys
+        own = {keys.stream, s.cfg.own_stream}
+        streams = [st for st in sorted(s.redis.smembers(keys.streams)) if st not in own]
+        if not streams:
+            return []
+        owners = [st.removeprefix(keys.replica_stream("")) for st in streams]
+        pipe = s.redis.pipeline(transaction=False)
+        pipe.time()
+        pipe.mget([keys.replica(o) for o in owners])
+        for st in streams:
+            pipe.xinfo_groups(st)
+        (sec, usec), beats, *groups = pipe.execute(raise_on_error=False)
+        now_ms = sec * 1000 + usec // 1000
+        taken: list[tuple[str, str, dict]] = []
+        for st, beat, info in zip(streams, beats, groups):
+            if isinstance(info, Exception) or len(taken) >= cap:
+                continue
+            group = next((g for g in info if g.get("name") == keys.group), None)
+            if group is None or not group.get("lag"):
+                continue  # nothing undelivered there (lag: Redis 7+; None on older servers: try the read)
+            serving = _accepting(beat)
+            if serving:
+                oldest = s.redis.xrange(st, f"({group['last-delivered-id']}", "+", count=1)
+                if not oldest or now_ms - int(oldest[0][0].split("-")[0]) < s.cfg.steal_after_s * 1000:
+                    continue
+            taken += self._read({st: ">"}, 1 if serving else cap - len(taken), None)
+        return taken
+
+    def _ack_deleted(self, stream: str) -> None:
         """Acknowledge our pending entries whose stream entry no longer exists (someone XDEL'd or trimmed it)."""
         s = self.s
-        for p in s.redis.xpending_range(s.keys.stream, s.keys.group, min="-", max="+", count=256,
+        for p in s.redis.xpending_range(stream, s.keys.group, min="-", max="+", count=256,
                                         consumername=s.cfg.name):
-            if not s.redis.xrange(s.keys.stream, p["message_id"], p["message_id"]):
-                s.redis.xack(s.keys.stream, s.keys.group, p["message_id"])
+            if not s.redis.xrange(stream, p["message_id"], p["message_id"]):
+                s.redis.xack(stream, s.keys.group, p["message_id"])
 
     def _validate(self, rid: str, fields: dict) -> GenerationRequest:
         cfg = self.s.cfg
@@ -115,14 +175,15 @@ class Intake:
                           request.client_id)
         return request
 
-    def accept(self, entry_id: str, fields: dict | None) -> None:
+    def accept(self, entry_id: str, fields: dict | None, stream: str | None = None) -> None:
         s = self.s
+        stream = stream or s.keys.stream
         fields = fields or {}
         rid = fields.get("id")
         if rid is None or "data" not in fields:  # nothing to answer to: drop it
             log.warning("dropping malformed stream entry %s", entry_id)
-            s.redis.xack(s.keys.stream, s.keys.group, entry_id)
-            s.redis.xdel(s.keys.stream, entry_id)
+            s.redis.xack(stream, s.keys.group, entry_id)
+            s.redis.xdel(stream, entry_id)
             return
         if rid in s.jobs:
             return  # ours already (claimed back after a stall)
@@ -131,12 +192,12 @@ class Intake:
             request = self._validate(rid, fields)
         except Refused as e:
             job = Job(GenerationRequest(request_id=_safe_id(rid, entry_id), prompt="", client_id=e.client_id),
-                      entry_id, 1, now)
+                      entry_id, 1, now, stream)
             s.end(job, error_event(job, e.code, e.message))
             return
         # Registered before the cancel mark is read: a cancel published from here on finds the job (control
         # thread), and one published earlier left its mark, which the pipeline below reads.
-        job = Job(request, entry_id, 0, now)
+        job = Job(request, entry_id, 0, now, stream)
         s.jobs[rid] = job
         pipe = s.redis.pipeline(transaction=False)
         pipe.exists(s.keys.result(rid))
@@ -152,8 +213,8 @@ class Intake:
         job.attempt = int(attempt)
         if has_result:  # finished by a replica that died before acknowledging: nothing to redo
             s.jobs.pop(rid, None)
-            s.redis.xack(s.keys.stream, s.keys.group, entry_id)
-            s.redis.xdel(s.keys.stream, entry_id)
+            s.redis.xack(stream, s.keys.group, entry_id)
+            s.redis.xdel(stream, entry_id)
             s.redis.delete(s.keys.owner(rid))
             return
         s.metrics.queue.observe(max(0.0, now - request.created_at))
@@ -174,6 +235,14 @@ class Intake:
         s.redis.xadd(s.keys.dead_letter, {**fields, "entry": entry_id, "attempts": str(attempts),
                                           "replica": s.cfg.name}, maxlen=10_000, approximate=True)
         log.error("request %s moved to the dead-letter stream after %d attempts", fields.get("id"), attempts)
+
+
+def _accepting(heartbeat: str | None) -> bool:
+    """Whether a replica's heartbeat says it is alive and pulling (not draining)."""
+    try:
+        return heartbeat is not None and json.loads(heartbeat).get("accepting", True)
+    except ValueError:
+        return False
 
 
 def _safe_id(rid: str, entry_id: str) -> str:

@@ -17,6 +17,7 @@ class Job:
     entry_id: str
     attempt: int
     picked_at: float
+    stream: str  # the stream the entry came from: the shared one or a replica's (routed)
     seq: int = 0
     sent: dict[int, tuple[str, list[int]]] = field(default_factory=dict)  # index -> (text, token ids) published
     first_token_at: float | None = None
@@ -78,11 +79,26 @@ class AppendSteps:
 
 
 @dataclass(frozen=True)
+class KVEvents:
+    """Block hashes (shared.routing names) that entered and left the prefix cache, in order."""
+
+    events: list[tuple[bool, str]]  # (stored?, name)
+
+
+@dataclass(frozen=True)
+class KVSync:
+    """Every block hash the prefix cache holds: replaces the published set (start, or Redis lost it)."""
+
+    names: list[str]
+
+
+@dataclass(frozen=True)
 class Finish:
     request_id: str
     entry_id: str
+    stream: str
     payload: str  # the encoded terminal event: stored as the result, published, the entry acknowledged
     client_id: str
 
 
-OutboxItem = Publish | StoreSnapshot | AppendSteps | Finish
+OutboxItem = Publish | StoreSnapshot | AppendSteps | KVEvents | KVSync | Finish

@@ -1,13 +1,14 @@
 """The publisher thread: pipelines token events (PUBLISH), KV snapshots (SET), engine step records (XADD to a capped
-stream) and finishes (the atomic script that stores the result, publishes it, acknowledges and deletes the entry and
-frees the client's slot)."""
+stream), KV events (SADD / SREM on the replica's set of cached block hashes, which routers read) and finishes (the
+atomic script that stores the result, publishes it, acknowledges and deletes the entry and frees the client's
+slot)."""
 from __future__ import annotations
 
 import logging
 import queue
 from dataclasses import asdict
 
-from engine_service.server.jobs import AppendSteps, Finish, OutboxItem, Publish, StoreSnapshot
+from engine_service.server.jobs import AppendSteps, Finish, KVEvents, KVSync, OutboxItem, Publish, StoreSnapshot
 from engine_service.server.state import CONN_ERRORS, ReplicaState
 from shared.monitor import STEPS_MAXLEN, StepRecord
 from shared.protocol import encode
@@ -65,11 +66,35 @@ class Publisher:
                     pipe.xadd(item.key, {"r": encode(StepRecord(**asdict(record)))}, maxlen=STEPS_MAXLEN,
                               approximate=True)
                 pipe.pexpire(item.key, int(s.cfg.steps_ttl_s * 1000))
+            elif isinstance(item, KVEvents):
+                key = keys.kv_blocks(s.cfg.name)
+                for stored, name in item.events:  # in order: a hash evicted and stored again ends stored
+                    (pipe.sadd if stored else pipe.srem)(key, name)
+                pipe.pexpire(key, s.cfg.kv_blocks_ttl_ms)
+            elif isinstance(item, KVSync):
+                self._execute(pipe)  # what came before, then the set rewritten in one transaction
+                self._sync_kv(item.names)
+                pipe = s.redis.pipeline(transaction=False)
             else:
                 rid = item.request_id
-                self._finish(keys=[keys.result(rid), keys.events(rid), keys.stream, keys.owner(rid),
+                self._finish(keys=[keys.result(rid), keys.events(rid), item.stream, keys.owner(rid),
                                    keys.client(item.client_id)],
                              args=[keys.group, item.entry_id, item.payload, s.cfg.result_ttl_s, rid], client=pipe)
+        self._execute(pipe)
+
+    def _sync_kv(self, names: list[str]) -> None:
+        """Replace the published set of cached block hashes (a router never sees it half rewritten)."""
+        s = self.s
+        key = s.keys.kv_blocks(s.cfg.name)
+        tx = s.redis.pipeline(transaction=True)
+        tx.delete(key)
+        for i in range(0, len(names), 4096):
+            tx.sadd(key, *names[i:i + 4096])
+        tx.pexpire(key, s.cfg.kv_blocks_ttl_ms)
+        tx.execute()
+
+    @staticmethod
+    def _execute(pipe) -> None:
         for reply in pipe.execute(raise_on_error=False):
             if isinstance(reply, Exception):
                 log.error("publish: Redis refused a command: %s", reply)

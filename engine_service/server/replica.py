@@ -73,8 +73,10 @@ class Replica:
         self._threads.append(t)
 
     def drain(self, timeout: float) -> bool:
-        """Stop pulling and let running requests finish (True if all did within timeout)."""
+        """Stop pulling and let running requests finish (True if all did within timeout). Its heartbeat says so at
+        once: routers send it nothing more, and other replicas take what waits in its queue."""
         self.state.pulling.clear()
+        self.roles["control"].announce()
         return self._wait_empty(timeout)
 
     def _wait_empty(self, timeout: float) -> bool:
@@ -88,6 +90,7 @@ class Replica:
         its entries long idle so the next XAUTOCLAIM of any replica takes them (without waiting claim_idle_s)."""
         s = self.state
         s.pulling.clear()
+        self.roles["control"].announce()  # no longer accepting: routers stop sending, others take its queue
         jobs = list(s.jobs.values())
         for job in jobs:
             s.commands.put(Drop(job))
@@ -96,7 +99,7 @@ class Replica:
             return 0
         pipe = s.redis.pipeline(transaction=False)
         for job in jobs:
-            pipe.xclaim(s.keys.stream, s.keys.group, s.cfg.name, 0, [job.entry_id], idle=HANDED_BACK_IDLE_MS,
+            pipe.xclaim(job.stream, s.keys.group, s.cfg.name, 0, [job.entry_id], idle=HANDED_BACK_IDLE_MS,
                         justid=True)
             pipe.delete(s.keys.owner(job.rid))
         pipe.execute(raise_on_error=False)

@@ -40,6 +40,9 @@ class ReplicaState:
     queue_length: int = 0  # entries in the stream not yet delivered to any replica
     engine_error: str | None = None
     roofs: dict | None = None  # the machine's measured roofs (engine/roofline.py Roofs.to_dict), for the heartbeat
+    # set when the published prefix-cache set must be rewritten whole (at start; after Redis lost it): the engine
+    # thread then queues a KVSync
+    kv_resync: threading.Event = field(default_factory=threading.Event)
 
     @property
     def keys(self):
@@ -61,4 +64,4 @@ class ReplicaState:
         self.jobs.pop(job.rid, None)
         outcome = terminal.finish_reason if isinstance(terminal, DoneEvent) else terminal.code
         self.metrics.finished.labels(outcome or "unknown").inc()
-        self.outbox.put(Finish(job.rid, job.entry_id, encode(terminal), job.request.client_id))
+        self.outbox.put(Finish(job.rid, job.entry_id, job.stream, encode(terminal), job.request.client_id))

@@ -41,7 +41,7 @@ def test_sigterm_finishes_the_running_request_takes_no_new_one_and_exits_0(spawn
             max_tokens=3, **GREEDY)))
         rest = [ev async for ev in events]
         code = await asyncio.to_thread(replica.proc.wait, 30)
-        position = await monitor.queue_position(r, keys, late.entry_id)
+        position = await monitor.queue_position(r, keys, late.entry_id, late.stream)
         owner = await r.get(keys.owner(late.request_id))
         await late.close()
         await client.close()

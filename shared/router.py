@@ -1,0 +1,181 @@
+"""Prefix-aware routing: which replica's queue a request goes to, from the replicas' KV events and their load.
+
+Every replica keeps, in Redis, the set of block hashes its prefix cache holds (`keys.kv_blocks(name)`, kept by its
+KV events) and a heartbeat (`keys.replica(name)`, listed in `keys.live`). For a request, the router computes the
+prompt's block hashes (shared/routing.py) and, in one pipelined round trip, asks each live replica's set which of
+them it holds (SMISMEMBER), how many requests wait or run in its own stream (XLEN) and what its heartbeat says. The
+cost of a replica is the prompt tokens it would have to prefill plus `load_weight` tokens for each request it holds
+(NVIDIA Dynamo's "prefill blocks + decode blocks", in tokens); the cheapest wins. Replicas holding `imbalance` more
+requests than the least loaded one are skipped (SGLang's guard against hot prefixes piling onto one replica): the
+others prefill the hot prefix once and share the load from then on.
+
+A route key (a playground run, a chat's `prompt_cache_key`) sends requests that belong together to the replica the
+key went to last, while that replica lives and is not overloaded: the playground's four columns and every branch of
+a run share one replica's cache even before the first column's prefill has published its blocks.
+
+Routing is a hint, never a promise: the request is queued on the chosen replica's stream, which every replica reads
+with the same consumer group. A replica that dies, drains or falls behind has its queue taken by the others
+(engine_service/server/intake.py: claims and steals), and one completion per request is still enforced by the
+finish script. With no live replica, or routing off, the request goes to the shared stream.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import random
+import time
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from shared.keys import Keys
+from shared.protocol import GenerationRequest
+from shared.routing import block_hashes, load_tokenizer, prompt_token_ids
+
+log = logging.getLogger("decodelab.router")
+MAX_ROUTED_BLOCKS = 512  # hashes looked up per request: past this the prefix is long enough to decide
+
+
+@dataclass(frozen=True)
+class Route:
+    stream: str  # where the request is queued
+    replica: str | None  # the replica chosen; None: the shared stream
+    cached_tokens: int  # prompt tokens the chosen replica holds (per its KV events)
+    reason: str  # "prefix" (held the longest prefix, net of load), "load", "affinity", "shared"
+    seconds: float  # the decision's cost: tokenising, the Redis round trip, scoring
+
+
+@dataclass
+class Candidate:
+    name: str
+    block_size: int
+    load: int  # requests routed to it and not finished (its stream's length), or running, whichever is more
+    cached_tokens: int = 0
+
+
+def routing_enabled() -> bool:
+    return os.environ.get("DECODELAB_ROUTING", "1") not in ("0", "false", "off")
+
+
+class Router:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, *, load_weight: float | None = None,
+                 imbalance: int | None = None, affinity_ttl_s: int = 600, live_cache_s: float = 0.5):
+        env = os.environ.get
+        self.redis, self.keys = redis, keys
+        self.load_weight = load_weight if load_weight is not None else float(env("DECODELAB_ROUTE_LOAD_WEIGHT", 128))
+        self.imbalance = imbalance if imbalance is not None else int(env("DECODELAB_ROUTE_IMBALANCE", 8))
+        self.affinity_ttl_s, self.live_cache_s = affinity_ttl_s, live_cache_s
+        self._live: tuple[float, list[str]] = (0.0, [])
+        self._tokenizers: dict[str, object] = {}  # model -> tokenizer, or the task loading it
+
+    async def live_replicas(self) -> list[str]:
+        at, names = self._live
+        if time.monotonic() - at > self.live_cache_s:
+            now_ms = int(time.time() * 1000)
+            names = sorted(await self.redis.zrangebyscore(self.keys.live, now_ms, "+inf"))
+            self._live = (time.monotonic(), names)
+        return names
+
+    def tokenizer(self, model: str):
+        """The model's tokenizer once loaded from Redis (the first call starts loading it in the background)."""
+        tok = self._tokenizers.get(model)
+        if tok is None:
+            self._tokenizers[model] = asyncio.ensure_future(self._load_tokenizer(model))
+            return None
+        return None if isinstance(tok, asyncio.Future) else tok
+
+    async def _load_tokenizer(self, model: str) -> None:
+        try:
+            files = await self.redis.hgetall(self.keys.tokenizer(model))
+            if not files:  # no replica of this model has published it yet: try again on a later request
+                self._tokenizers.pop(model, None)
+                return
+            self._tokenizers[model] = await asyncio.to_thread(load_tokenizer, files)
+            log.info("router: loaded the tokenizer of %s from Redis", model)
+        except Exception as e:  # a broken tokenizer must not stop routing by load
+            log.warning("router: no tokenizer for %s (%s); routing by load", model, e)
+            self._tokenizers.pop(model, None)
+
+    def token_ids(self, request: GenerationRequest, model: str) -> list[int] | None:
+        tok = self.tokenizer(model)
+        if tok is None:
+            return None
+        try:
+            return prompt_token_ids(request, tok)
+        except ValueError:
+            return None  # the replica refuses it with the reason; any replica will do
+
+    async def route(self, request: GenerationRequest, route_key: str | None = None) -> Route:
+        t0 = time.perf_counter()
+        names = await self.live_replicas()
+        if not names:
+            return Route(self.keys.stream, None, 0, "shared", time.perf_counter() - t0)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.mget([self.keys.replica(n) for n in names])
+        for n in names:
+            pipe.xlen(self.keys.replica_stream(n))
+        if route_key:
+            pipe.get(self.keys.affinity(route_key))
+        beats, *rest = await pipe.execute()
+        queued, affinity = rest[:len(names)], (rest[len(names)] if route_key else None)
+        candidates, model = [], request.model
+        for name, raw, n_queued in zip(names, beats, queued):
+            info = _info(raw)
+            if info is None or not info.get("accepting", True):
+                continue  # its heartbeat ran out, or it drains
+            if request.model and info.get("model") != request.model:
+                continue
+            model = model or info.get("model")
+            load = max(int(n_queued), int(info.get("running", 0)))
+            candidates.append(Candidate(name, int(info.get("block_size", 16)), load))
+        if not candidates:
+            return Route(self.keys.stream, None, 0, "shared", time.perf_counter() - t0)
+        ids = self.token_ids(request, model) if model else None
+        if ids:
+            await self._cached_prefixes(candidates, ids)
+        chosen, reason = self._choose(candidates, len(ids or ()), affinity)
+        if route_key:
+            await self.redis.set(self.keys.affinity(route_key), chosen.name, ex=self.affinity_ttl_s)
+        return Route(self.keys.replica_stream(chosen.name), chosen.name, chosen.cached_tokens, reason,
+                     time.perf_counter() - t0)
+
+    async def _cached_prefixes(self, candidates: list[Candidate], ids: list[int]) -> None:
+        hashes = {bs: block_hashes(ids, bs, MAX_ROUTED_BLOCKS) for bs in {c.block_size for c in candidates}}
+        pipe = self.redis.pipeline(transaction=False)
+        asked = [c for c in candidates if hashes[c.block_size]]
+        for c in asked:
+            pipe.smismember(self.keys.kv_blocks(c.name), hashes[c.block_size])
+        for c, held in zip(asked, await pipe.execute()):
+            run = next((i for i, h in enumerate(held) if not h), len(held))  # the leading blocks it holds
+            c.cached_tokens = run * c.block_size
+
+    def _choose(self, candidates: list[Candidate], num_tokens: int, affinity: str | None) -> tuple[Candidate, str]:
+        least = min(c.load for c in candidates)
+        fair = [c for c in candidates if c.load - least <= self.imbalance]
+        for c in fair:
+            if c.name == affinity:
+                return c, "affinity"
+        random.shuffle(fair)  # equal costs: no replica is everyone's first choice
+        best = min(fair, key=lambda c: (num_tokens - c.cached_tokens + self.load_weight * c.load, c.load))
+        return best, ("prefix" if best.cached_tokens else "load")
+
+
+def _info(raw: str | None) -> dict | None:
+    if raw is None:
+        return None
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None
+
+
+async def safe_route(router: Router, request: GenerationRequest, route_key: str | None) -> Route | None:
+    """`router.route`, or None (the shared stream) when Redis cannot answer the look-up."""
+    try:
+        return await router.route(request, route_key)
+    except (RedisError, OSError) as e:
+        log.warning("router: look-up failed (%s); using the shared stream", e)
+        return None
