@@ -5,7 +5,7 @@ import sys
 
 from engine_service.bench import gpu, modes, playground, quality, serve, soak, structured, throughput
 from engine_service.engine.flags import add_engine_args, engine_config_from_args
-from engine_service.server import engine_cmd, play
+from engine_service.server import api_cmd, engine_cmd, play
 from web import cli as web_cli
 
 
@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     for module in (throughput, modes, quality, playground, serve, soak, gpu, structured):
         module.add_parser(bench_sub, add_engine_args)
-    for module in (engine_cmd, play, web_cli):  # the service: one replica, the whole stack, the web UI
+    for module in (engine_cmd, api_cmd, play, web_cli):  # the service: a replica, the API front, the stack, the UI
         module.add_parser(sub, add_engine_args)
     return parser
 

@@ -125,6 +125,8 @@ class _Body(SamplingExtras):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # OpenAI's routing hint for its prompt cache: requests with the same key go to the replica the key went to last
+    prompt_cache_key: str | None = Field(None, max_length=256)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100] (checked by the protocol)

@@ -38,26 +38,33 @@ def add_engine_parser(subparsers, add_engine_args) -> argparse.ArgumentParser:
     return p
 
 
-def add_service_args(p: argparse.ArgumentParser) -> None:
+def add_front_args(p: argparse.ArgumentParser, port_env: str, port: int) -> None:
+    """What every HTTP process of the service takes: Redis, the address, the OpenAI API's limits."""
     env = os.environ.get
     p.add_argument("--served-model-name", default=None, help="model id in the OpenAI API (default: --model)")
     p.add_argument("--redis-url", default=env("REDIS_URL"), help="default: $REDIS_URL")
     p.add_argument("--host", default=env("DECODELAB_HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=int(env("DECODELAB_ENGINE_PORT", 8000)))
+    p.add_argument("--port", type=int, default=int(env(port_env, port)))
     p.add_argument("--api-key", default=env("DECODELAB_API_KEY") or None, help="default: $DECODELAB_API_KEY")
+    p.add_argument("--max-queue", type=int, default=int(env("DECODELAB_MAX_QUEUE", 256)),
+                   help="requests waiting in Redis (per queue: the shared one, each replica's) beyond which new "
+                        "ones are refused")
+    p.add_argument("--max-inflight", type=int, default=int(env("DECODELAB_MAX_INFLIGHT", 4096)),
+                   help="generation requests this API process holds open at once; beyond it answers 429")
+    p.add_argument("--default-max-tokens", type=int, default=256, help="chat completions without max_tokens")
+    p.add_argument("--log-level", default=env("DECODELAB_LOG_LEVEL", "info"))
+
+
+def add_service_args(p: argparse.ArgumentParser) -> None:
+    env = os.environ.get
+    add_front_args(p, "DECODELAB_ENGINE_PORT", 8000)
     p.add_argument("--replica-name", default=None)
     p.add_argument("--claim-idle", type=float, default=float(env("DECODELAB_CLAIM_IDLE_S", 10.0)),
                    help="seconds before a dead replica's request is re-run elsewhere")
-    p.add_argument("--max-queue", type=int, default=int(env("DECODELAB_MAX_QUEUE", 256)),
-                   help="requests waiting in Redis beyond which new ones are refused")
-    p.add_argument("--max-inflight", type=int, default=int(env("DECODELAB_MAX_INFLIGHT", 4096)),
-                   help="generation requests this API process holds open at once; beyond it answers 429")
     p.add_argument("--expected-tokens", type=int, default=int(env("DECODELAB_EXPECTED_TOKENS", 256)),
                    help="per-request KV estimate (prompt + output tokens) when deciding how many requests to pull; "
                         "lower admits more and relies on preemption when they outgrow the pool")
-    p.add_argument("--default-max-tokens", type=int, default=256, help="chat completions without max_tokens")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="on shutdown, seconds to finish running requests")
-    p.add_argument("--log-level", default=env("DECODELAB_LOG_LEVEL", "info"))
 
 
 def _load(state: ServiceState, args, metrics: ReplicaMetrics, server) -> None:

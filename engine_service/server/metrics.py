@@ -26,6 +26,25 @@ class ReplicaMetrics:
         self.generated = Counter("decodelab_generation_tokens", "Tokens generated", registry=registry)
 
 
+class RouteMetrics:
+    """The routing decisions of one submitting process (an API front, a replica's API)."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.seconds = Histogram("decodelab_route_seconds", "Routing decision: tokenise, Redis look-up, score",
+                                 buckets=(.0002, .0005, .001, .002, .005, .01, .025, .05, .1), registry=registry)
+        self.routed = Counter("decodelab_routed_requests", "Requests by routing reason (prefix, load, affinity, "
+                              "shared)", ["reason"], registry=registry)
+        self.cached = Counter("decodelab_routed_cached_tokens", "Prompt tokens the chosen replica held, per its KV "
+                              "events", registry=registry)
+
+    def observe(self, route) -> None:
+        reason = route.reason if route is not None else "shared"
+        self.routed.labels(reason).inc()
+        if route is not None:
+            self.seconds.observe(route.seconds)
+            self.cached.inc(route.cached_tokens)
+
+
 class EngineCollector:
     """Engine and queue gauges of the replica whose ReplicaState `get_state()` returns (None until the model is
     loaded). It reads the state's `stats`, `jobs` and `queue_length` (typed loosely: state.py imports this module)."""

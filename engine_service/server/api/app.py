@@ -1,4 +1,5 @@
-"""The FastAPI app of one replica: /health, /ready, /metrics and the OpenAI routes under /v1."""
+"""The FastAPI app of a replica (`decodelab engine`) or of an API front (`decodelab api`, no engine in its process):
+/health, /ready, /metrics and the OpenAI routes under /v1. Either way requests go through Redis."""
 from __future__ import annotations
 
 import asyncio
@@ -21,6 +22,7 @@ from engine_service.server.api.body_limit import BodyLimit
 from engine_service.server.api.openai import chat_completions, completions
 from engine_service.server.api.state import APIError, ServiceState
 from engine_service.server.metrics import EngineCollector
+from shared import monitor
 from shared.openai_schema import ChatBody, CompletionBody, error_body
 from shared.protocol import validation_message
 
@@ -86,11 +88,18 @@ def create_app(state: ServiceState) -> FastAPI:
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
-        redis_ok = True
+        redis_ok, serving = True, 0
         try:
             await asyncio.wait_for(state.client.redis.ping(), 2.0)
+            if state.front:
+                live = await asyncio.wait_for(monitor.replicas(state.client.redis, state.client.keys), 2.0)
+                serving = sum(1 for info in live.values()
+                              if info.get("model") == state.model_name and info.get("accepting", True))
         except (TimeoutError, RedisError, OSError):
             redis_ok = False
+        if state.front:  # an API front: ready while Redis answers and some replica serves the model
+            body = {"redis": redis_ok, "model": state.model_name, "replicas": serving}
+            return JSONResponse(body, status_code=200 if redis_ok and serving else 503)
         body = {"model_loaded": state.replica is not None, "redis": redis_ok, "model": state.model_name,
                 "load_error": state.load_error}
         return JSONResponse(body, status_code=200 if state.replica is not None and redis_ok else 503)

@@ -119,7 +119,7 @@ def check(state: ServiceState, body, requests: list[GenerationRequest], reply: R
 
 async def serve(state: ServiceState, http: Request, body, requests: list[GenerationRequest], reply: Reply):
     check(state, body, requests, reply)
-    subs = await _submit_all(state, requests)
+    subs = await _submit_all(state, requests, body.prompt_cache_key)
     if not body.stream:
         dones = await _results_unless_disconnected(state, http, subs)
         if dones is None:  # the HTTP client went away: stop the generation
@@ -133,11 +133,14 @@ async def serve(state: ServiceState, http: Request, body, requests: list[Generat
     return StreamingResponse(_sse(state, subs, reply, stream_tokens), media_type="text/event-stream")
 
 
-async def _submit_all(state: ServiceState, requests: list[GenerationRequest]) -> list[Submission]:
+async def _submit_all(state: ServiceState, requests: list[GenerationRequest],
+                      route_key: str | None = None) -> list[Submission]:
     """Submit every prompt's request at once; if one is refused, the others are cancelled."""
-    results = await asyncio.gather(*(state.client.submit(r) for r in requests), return_exceptions=True)
+    results = await asyncio.gather(*(state.client.submit(r, route_key) for r in requests), return_exceptions=True)
     failed = next((r for r in results if isinstance(r, BaseException)), None)
     if failed is None:
+        for sub in results:
+            state.route_metrics.observe(sub.route)
         return results
     for sub in results:
         if isinstance(sub, Submission):

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
 
+from engine_service.server.metrics import RouteMetrics
 from engine_service.server.replica import Replica
 from shared.client import EngineClient
 from shared.limits import Limits
@@ -32,5 +33,11 @@ class ServiceState:
     sse_keepalive_s: float = 5.0  # a stream with no event for this long gets a `: keep-alive` comment
     limits: Limits = field(default_factory=Limits.from_env)
     replica: Replica | None = None  # set once the model is loaded
+    front: bool = False  # `decodelab api`: no replica in this process; ready once one serves the model
+    route_metrics: RouteMetrics | None = None
     load_error: str | None = None
     started_at: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        if self.route_metrics is None:
+            self.route_metrics = RouteMetrics(self.registry)
