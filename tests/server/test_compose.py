@@ -46,6 +46,11 @@ def test_services_have_the_required_shape():
     assert [p["published"] for p in web["ports"]] == ["7860"]
     assert {k: v["condition"] for k, v in web["depends_on"].items()} == {
         "redis": "service_healthy", "engine": "service_healthy"}
+    api = config["services"]["api"]  # the OpenAI front alone, scalable apart from the replicas
+    assert api["command"][:2] == ["decodelab", "api"] and "build" not in api and api["image"] == engine["image"]
+    assert api["environment"]["REDIS_URL"] == "redis://:pw@redis:6379/0"
+    assert [(p["target"], p["published"]) for p in api["ports"]] == [(8000, "8000-8009")]
+    assert "/ready" in " ".join(api["healthcheck"]["test"])
 
 
 def test_every_service_limit_reaches_the_replicas_and_the_web_ui():
@@ -53,7 +58,7 @@ def test_every_service_limit_reaches_the_replicas_and_the_web_ui():
 
     config = json.loads(compose("--profile", "gpu", "config", "--format", "json").stdout)
     defaults = Limits()
-    for service in ("engine", "engine-gpu", "web"):
+    for service in ("engine", "engine-gpu", "api", "web"):
         env = config["services"][service]["environment"]
         assert {name: int(env[var]) for name, var in ENV.items()} == vars(defaults), service
     overridden = compose("config", "--format", "json", extra_env={"DECODELAB_MAX_N": "4"})
