@@ -100,6 +100,8 @@ class Router:
             self._tokenizers.pop(model, None)
 
     def token_ids(self, request: GenerationRequest, model: str) -> list[int] | None:
+        if isinstance(request.prompt, list) and request.continuation is None:
+            return list(request.prompt)  # nothing to tokenise
         tok = self.tokenizer(model)
         if tok is None:
             return None

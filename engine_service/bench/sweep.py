@@ -16,14 +16,14 @@ from collections import Counter
 from engine_service.bench.common import percentiles_ms, pyplot
 
 
-async def http_burst(api_url: str, model: str, prompts: list[list[int]], max_tokens: int) -> dict:
+async def http_burst(api_url: str, model: str, prompts: list[list[int] | str], max_tokens: int) -> dict:
     """Every prompt at once as a streaming completion; what each client saw."""
     import httpx
 
     limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts) + 8)
     async with httpx.AsyncClient(base_url=api_url, timeout=httpx.Timeout(900, connect=60), limits=limits) as http:
 
-        async def one(prompt: list[int]) -> dict:
+        async def one(prompt: list[int] | str) -> dict:
             body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                     "ignore_eos": True, "stream": True, "logprobs": 0, "stream_options": {"include_usage": True}}
             t0, times, error, finish, usage = time.perf_counter(), [], None, None, None
@@ -70,7 +70,7 @@ def _summary(results: list[dict], wall: float) -> dict:
             "ttft": percentiles_ms(ttft), "itl": percentiles_ms(itl)}
 
 
-def inprocess_burst(engine, prompts: list[list[int]], max_tokens: int) -> dict:
+def inprocess_burst(engine, prompts: list[list[int] | str], max_tokens: int) -> dict:
     from engine_service.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=max_tokens)

@@ -24,7 +24,7 @@ from shared.protocol import (
 )
 from shared.router import Router
 from shared.routing import block_hashes, load_tokenizer, prompt_token_ids, routing_name, tokenizer_files
-from tests.helpers import GREEDY, random_prompt, run
+from tests.helpers import GREEDY, random_prompt, run, wait_until
 
 
 # ---- what the router computes equals what the engine does
@@ -276,3 +276,26 @@ def test_a_draining_replica_queue_is_taken_by_the_others(spawn_replica, redis_se
     served = Counter(d.metrics.replica for d in dones)
     assert set(served) == {"A", "B"} and served[name] <= 4, served  # it finished what it ran; the rest moved
     assert sync_redis.xlen(keys.replica_stream(name)) == 0
+
+
+def test_stale_kv_events_cost_a_prefill_not_a_wrong_answer(worker, redis_server, keys, sync_redis, reference_engine):
+    """A router that believes a replica holds a prefix it has evicted sends the request there; the replica just
+    prefills it, and the tokens are those of the engine run alone."""
+    from engine_service.engine.sampling_params import SamplingParams
+
+    prompt = random_prompt(64, seed=99)
+    want = reference_engine.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=5, **GREEDY))
+    wait_until(lambda: sync_redis.zscore(keys.live, worker.state.cfg.name), 10, what="the replica's heartbeat")
+    sync_redis.sadd(keys.kv_blocks(worker.state.cfg.name), *block_hashes(prompt, 16))  # a lie
+
+    async def main():
+        client = EngineClient(aioredis.Redis.from_url(redis_server.url, decode_responses=True), keys)
+        sub = await client.submit(GenerationRequest(prompt=prompt, params=SamplingOptions(max_tokens=5, **GREEDY)))
+        done = await _last(client, sub)
+        await client.close()
+        return sub.route, done
+
+    route, done = run(main())
+    assert (route.replica, route.reason, route.cached_tokens) == (worker.state.cfg.name, "prefix", 64)
+    assert done.metrics.cached_prompt_tokens == 0  # nothing was really cached
+    assert done.outputs[0].token_ids == want[0].outputs[0].token_ids
