@@ -111,7 +111,7 @@ def test_a_stopping_replica_hands_back_what_it_could_not_finish(make_worker, red
                 if isinstance(ev, TokenEvent) and len(events) == 3:
                     handed = await asyncio.to_thread(first.hand_back)
                     assert handed == 1
-                    pending = sync_redis.xpending_range(keys.stream, keys.group, "-", "+", 10)
+                    pending = sync_redis.xpending_range(sub.stream, keys.group, "-", "+", 10)
                     assert pending[0]["time_since_delivered"] > 30_000  # claimable by any replica at once
                     assert not first.state.jobs and not first.engine.has_unfinished()
                     await asyncio.to_thread(first.stop)  # (the fixtures' replicas share one engine)
