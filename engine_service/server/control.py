@@ -41,6 +41,7 @@ class Control:
         self._remove_consumer = state.redis.register_script(REMOVE_DEAD_CONSUMER)
         self._remove_stream = state.redis.register_script(REMOVE_ORPHAN_STREAM)
         self._tokenizer: dict[str, str] | None = None  # its files, for routers (published while missing)
+        self._redis_run_id: str | None = None  # a new one: Redis restarted (or failed over) and lost our sets
 
     def run(self) -> None:
         s = self.s
@@ -133,6 +134,10 @@ class Control:
         info = ReplicaInfo(model=s.cfg.model_name, running=len(jobs), capacity=s.capacity(),
                            precision=precision(s.engine.config), draft_model=s.engine.config.draft_model or "",
                            roofs=s.roofs, accepting=s.pulling.is_set(), block_size=s.engine.config.block_size)
+        run_id = s.redis.info("server").get("run_id")
+        if run_id != self._redis_run_id:  # a Redis we have not published to: the prefix-cache set goes whole
+            self._redis_run_id = run_id
+            s.kv_resync.set()
         pipe = s.redis.pipeline(transaction=False)
         pipe.set(keys.replica(s.cfg.name), encode(info), px=ttl_ms)
         (sec, usec) = s.redis.time()
@@ -147,7 +152,7 @@ class Control:
         _, _, _, kv_alive, has_tokenizer, *lengths = pipe.execute(raise_on_error=False)
         s.queue_length = sum(max(0, length - pending["pending"]) for length, pending in zip(lengths[::2], lengths[1::2])
                              if isinstance(length, int) and isinstance(pending, dict))
-        if kv_alive == 0 and s.stats.blocks_cached:  # Redis lost the set (a restart): publish it whole again
+        if kv_alive == 0 and s.stats.blocks_cached:  # the set expired or was deleted: publish it whole again
             s.kv_resync.set()
         if has_tokenizer == 0:
             self._publish_tokenizer()

@@ -4,13 +4,15 @@ import signal
 import time
 from collections import Counter
 
+import redis
 import redis.asyncio as aioredis
 
 from engine_service.engine.sampling_params import SamplingParams
 from engine_service.server.redis_server import RedisServer
 from shared.client import EngineClient
 from shared.protocol import DoneEvent, GenerationRequest, SamplingOptions, TokenEvent, decode_event
-from tests.helpers import GREEDY, run
+from shared.routing import routing_name
+from tests.helpers import GREEDY, run, wait_until
 
 
 def test_kill_9_of_a_replica_mid_generation_every_request_completes_exactly_once(
@@ -83,7 +85,7 @@ async def _last(client: EngineClient, sub):
 def test_redis_restart_mid_stream_ends_cleanly_and_the_replica_reconnects(make_worker, keys):
     server = RedisServer().start()
     try:
-        make_worker(server.url, claim_idle_s=1.0)
+        worker = make_worker(server.url, claim_idle_s=1.0)
 
         async def main():
             client = EngineClient(aioredis.Redis.from_url(server.url, decode_responses=True), keys, recover_after=0.5)
@@ -101,7 +103,7 @@ def test_redis_restart_mid_stream_ends_cleanly_and_the_replica_reconnects(make_w
                 else:
                     terminal, waited = ev, time.monotonic() - t_kill
             after = await client.generate(GenerationRequest(prompt="again", params=SamplingOptions(
-                max_tokens=5, **GREEDY)), timeout=30)
+                max_tokens=40, **GREEDY)), timeout=30)  # new full blocks: KV events re-create the set, partly
             await client.close()
             return terminal, waited, after
 
@@ -110,6 +112,13 @@ def test_redis_restart_mid_stream_ends_cleanly_and_the_replica_reconnects(make_w
         assert isinstance(terminal, DoneEvent), terminal
         assert terminal.finish_reason == "length" and len(terminal.outputs[0].token_ids) == 1500
         assert waited < 30
-        assert isinstance(after, DoneEvent) and len(after.outputs[0].token_ids) == 5
+        assert isinstance(after, DoneEvent) and len(after.outputs[0].token_ids) == 40
+        # routers see the replica again, with everything its cache holds (not only what it cached since)
+        r = redis.Redis.from_url(server.url, decode_responses=True)
+        name, bm = worker.state.cfg.name, worker.engine.block_manager
+        assert r.zscore(keys.live, name)
+        wait_until(lambda: r.smembers(keys.kv_blocks(name)) == {routing_name(h) for h in bm.cached}, 10, 0.1,
+                   "the prefix-cache set published whole again")
+        r.close()
     finally:
         server.close()
