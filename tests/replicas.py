@@ -1,4 +1,5 @@
-"""Engine replicas as real `decodelab engine` subprocesses, shared by the service and web suites."""
+"""Engine replicas (`decodelab engine`) and API fronts (`decodelab api`) as real subprocesses, shared by the service
+and web suites."""
 from __future__ import annotations
 
 import os
@@ -18,13 +19,17 @@ class Replica:
 
     def __init__(self, model, redis_url: str, keys: Keys, name: str, *extra: str, served: str = "tiny",
                  drain_timeout: float = 1.0, env: dict[str, str] | None = None):
-        self.name, self.port = name, free_port()
+        self.name = name
+        self._spawn(redis_url, keys, env, "engine", "--model", str(model), "--threads", "1", "--replica-name", name,
+                    "--served-model-name", served, "--drain-timeout", str(drain_timeout), *extra)
+
+    def _spawn(self, redis_url: str, keys: Keys, env: dict[str, str] | None, *argv: str) -> None:
+        self.port = free_port()
         env = dict(os.environ, REDIS_URL=redis_url, DECODELAB_REDIS_PREFIX=keys.prefix, OMP_NUM_THREADS="1",
                    HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT), **(env or {}))
-        argv = [sys.executable, "-m", "engine_service.cli", "engine", "--model", str(model), "--threads", "1",
-                "--port", str(self.port), "--replica-name", name, "--served-model-name", served,
-                "--log-level", "warning", "--drain-timeout", str(drain_timeout), *extra]
-        self.proc = subprocess.Popen(argv, env=env, cwd=ROOT, start_new_session=True, preexec_fn=die_with_parent)
+        self.proc = subprocess.Popen([sys.executable, "-m", "engine_service.cli", *argv, "--port", str(self.port),
+                                      "--log-level", "warning"], env=env, cwd=ROOT, start_new_session=True,
+                                     preexec_fn=die_with_parent)
 
     @property
     def url(self) -> str:
@@ -52,3 +57,12 @@ class Replica:
 
     def stop(self) -> None:
         self.kill(signal.SIGTERM)
+
+
+class Front(Replica):
+    """`decodelab api`: the OpenAI front alone, ready once a replica serves `served`."""
+
+    def __init__(self, redis_url: str, keys: Keys, *extra: str, served: str = "tiny",
+                 env: dict[str, str] | None = None):
+        self.name = "api"
+        self._spawn(redis_url, keys, env, "api", "--served-model-name", served, *extra)

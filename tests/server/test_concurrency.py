@@ -1,4 +1,5 @@
-"""2,000 concurrent streaming clients on one API process, two replicas, one Redis: no errors, each request once."""
+"""2,000 concurrent streaming clients on one API front (`decodelab api`, its own process), two replicas, one Redis:
+no errors, each request once."""
 import asyncio
 import random
 
@@ -6,7 +7,7 @@ import httpx
 
 from engine_service.bench.common import scrape_metrics
 from engine_service.bench.sweep import http_burst
-from tests.replicas import Replica
+from tests.replicas import Front, Replica
 
 CLIENTS = 2000
 
@@ -15,12 +16,13 @@ def test_2000_concurrent_streaming_clients_complete_exactly_once(tiny_llama_dir,
     extra = ("--max-queue", str(2 * CLIENTS), "--max-num-seqs", "128")
     env = {"DECODELAB_MAX_PER_CLIENT": "0"}  # all 2,000 come from one address
     replicas = [Replica(tiny_llama_dir, redis_server.url, keys, f"r{i}", *extra, env=env) for i in range(2)]
+    front = Front(redis_server.url, keys, "--max-queue", str(2 * CLIENTS), env=env)
     try:
-        for r in replicas:
+        for r in [*replicas, front]:
             r.wait_ready()
         rng = random.Random(0)
         prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(4, 24))] for _ in range(CLIENTS)]
-        result = asyncio.run(asyncio.wait_for(http_burst(replicas[0].url, "tiny", prompts, max_tokens=3), 600))
+        result = asyncio.run(asyncio.wait_for(http_burst(front.url, "tiny", prompts, max_tokens=3), 600))
         assert result["errors"] == {} and result["ok"] == CLIENTS, result["errors"]
 
         # exactly once: the replicas finished 2,000 requests between them (a duplicate run would count twice)
@@ -29,10 +31,11 @@ def test_2000_concurrent_streaming_clients_complete_exactly_once(tiny_llama_dir,
                        for r in replicas]
         assert sum(finished) == CLIENTS, per_outcome
         assert all(n > 0 for n in finished), finished  # both replicas served
-        assert sync_redis.xlen(keys.stream) == 0  # every entry acknowledged and deleted
-        assert sync_redis.xpending(keys.stream, keys.group)["pending"] == 0
-        with httpx.Client(base_url=replicas[0].url) as http:  # the API is still healthy afterwards
+        for stream in sync_redis.smembers(keys.streams):  # the shared one and each replica's queue
+            assert sync_redis.xlen(stream) == 0  # every entry acknowledged and deleted
+            assert sync_redis.xpending(stream, keys.group)["pending"] == 0
+        with httpx.Client(base_url=front.url) as http:  # the front is still healthy afterwards
             assert http.get("/ready").status_code == 200
     finally:
-        for r in replicas:
+        for r in [*replicas, front]:
             r.kill()
