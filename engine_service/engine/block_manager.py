@@ -226,6 +226,24 @@ class BlockManager:
                 if self.events is not None:
                     self.events.append(KVEvent(True, h))
 
+    def adopt(self, h: bytes, parent: bytes | None, token_ids: tuple[int, ...]) -> int | None:
+        """Register a block computed elsewhere (a KV transfer) as a cached prefix block, unheld; returns the block
+        whose K/V the caller must now write, -1 when the cache already holds `h`, None when no block is free."""
+        if not self.enable_prefix_caching:
+            return None
+        if (held := self.cached.get(h)) is not None and self.blocks[held].token_ids == token_ids:
+            return -1
+        if held is not None or not self.free_queue:
+            return None  # a digest collision, or a full pool
+        block_id = self._take_free_block()
+        block = self.blocks[block_id]
+        block.hash, block.token_ids, block.parent = h, token_ids, parent
+        self.cached[h] = block_id
+        if self.events is not None:
+            self.events.append(KVEvent(True, h))
+        self._decref(block_id)  # unheld, at the recent end of the eviction order, as a freed cached block
+        return block_id
+
     def fork(self, parent, child) -> None:
         """`child` shares every block of `parent`; the first write into a shared block copies it."""
         assert not child.block_table
