@@ -40,6 +40,9 @@ class Keys:
     def tokenizer(self, model: str) -> str:  # hash: file name -> text of the model's tokenizer files, for routers
         return f"{self.prefix}:tokenizer:{model}"
 
+    def kv_transfer(self, request_id: str) -> str:  # a prefill replica's KV blocks for the decode replica, with a TTL
+        return f"{self.prefix}:kvx:{request_id}"
+
     def affinity(self, route_key: str) -> str:  # the replica a route key (a playground run, a chat) went to last
         return f"{self.prefix}:affinity:{route_key}"
 

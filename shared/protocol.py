@@ -236,6 +236,9 @@ class Metrics(_Model):
     cached_prompt_tokens: int = 0  # prompt tokens the prefix cache held (computed again: 0)
     # speculative counters: proposed, accepted, steps, ... and per draft position proposed/accepted lists
     spec: dict[str, float | int | str | list[int] | None] | None = None
+    # prefill/decode disaggregation: the prefill replica, blocks and bytes handed over, transfer_ms (sent -> taken),
+    # imported_tokens (prompt tokens written into this replica's cache); None when one replica did it all
+    handover: dict[str, float | int | str] | None = None
 
 
 class DoneEvent(_Event):

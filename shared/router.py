@@ -54,6 +54,7 @@ class Candidate:
     block_size: int
     load: int  # requests routed to it and not finished (its stream's length), or running, whichever is more
     cached_tokens: int = 0
+    role: str = "both"
 
 
 def routing_enabled() -> bool:
@@ -132,9 +133,11 @@ class Router:
                 continue
             model = model or info.get("model")
             load = max(int(n_queued), int(info.get("running", 0)))
-            candidates.append(Candidate(name, int(info.get("block_size", 16)), load))
+            candidates.append(Candidate(name, int(info.get("block_size", 16)), load, role=info.get("role", "both")))
         if not candidates:
             return Route(self.keys.stream, None, 0, "shared", time.perf_counter() - t0)
+        if any(c.role != "decode" for c in candidates):  # new requests start where prompts are computed
+            candidates = [c for c in candidates if c.role != "decode"]
         ids = self.token_ids(request, model) if model else None
         if ids:
             await self._cached_prefixes(candidates, ids)

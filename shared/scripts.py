@@ -92,3 +92,21 @@ redis.call('DEL', KEYS[1])
 redis.call('SREM', KEYS[3], KEYS[1])
 return 1
 """
+
+# Prefill/decode hand-over: move a prefilled request from the prefill replica's stream to the decode side's.
+# KEYS: from stream, to stream, owner key, attempt key, stream registry. ARGV: group, entry id, version, request id,
+# request JSON, KV transfer handle, prefill replica. One step, so the request is in exactly one stream whatever
+# fails; the attempt counter goes back one, so the decode side's pickup is the same attempt (clients see one run).
+HANDOVER = """
+if redis.call('EXISTS', KEYS[2]) == 0 then
+  pcall(redis.call, 'XGROUP', 'CREATE', KEYS[2], ARGV[1], '0', 'MKSTREAM')
+end
+redis.call('SADD', KEYS[5], KEYS[2])
+local id = redis.call('XADD', KEYS[2], '*', 'v', ARGV[3], 'id', ARGV[4], 'data', ARGV[5], 'kvx', ARGV[6],
+                      'from', ARGV[7])
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[1], ARGV[2])
+redis.call('DEL', KEYS[3])
+if tonumber(redis.call('GET', KEYS[4]) or '0') > 0 then redis.call('DECR', KEYS[4]) end
+return id
+"""

@@ -35,6 +35,14 @@ class ReplicaConfig:
     # an entry routed to a live replica that has waited this long in its queue may be taken by an idle replica
     steal_after_s: float = field(default_factory=lambda: float(os.environ.get("DECODELAB_STEAL_AFTER_S", 2.0)))
     limits: Limits = field(default_factory=Limits.from_env)
+    # both: prefill and decode here; prefill: compute prompts and hand their KV blocks to a decode replica; decode:
+    # take handed-over requests (docs/redis-protocol.md, "Prefill/decode disaggregation")
+    role: str = "both"
+    kv_transfer_ttl_s: float = field(default_factory=lambda: float(os.environ.get("DECODELAB_KV_TRANSFER_TTL_S", 30)))
+
+    def __post_init__(self) -> None:
+        if self.role not in ("both", "prefill", "decode"):
+            raise ValueError(f"role: must be both, prefill or decode, got {self.role!r}")
 
     @property
     def own_stream(self) -> str:  # requests routed to this replica (shared/router.py)

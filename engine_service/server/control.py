@@ -27,6 +27,8 @@ class ReplicaInfo(BaseModel):
     roofs: dict | None = None  # measured at start-up (engine/roofline.py Roofs): flops_per_s, bytes_per_s, kind, ...
     accepting: bool = True  # pulling new requests (False while draining): routers send it nothing then
     block_size: int = 16  # of its KV cache: routers hash prompts in blocks of this size
+    role: str = "both"  # both | prefill | decode (prefill/decode disaggregation): routers send new requests to
+    # prefill and both replicas; prefill replicas hand requests to decode replicas
 
 
 def precision(config) -> str:
@@ -133,7 +135,8 @@ class Control:
         ttl_ms = int(s.cfg.heartbeat_s * 3000)
         info = ReplicaInfo(model=s.cfg.model_name, running=len(jobs), capacity=s.capacity(),
                            precision=precision(s.engine.config), draft_model=s.engine.config.draft_model or "",
-                           roofs=s.roofs, accepting=s.pulling.is_set(), block_size=s.engine.config.block_size)
+                           roofs=s.roofs, accepting=s.pulling.is_set(), block_size=s.engine.config.block_size,
+                           role=s.cfg.role)
         run_id = s.redis.info("server").get("run_id")
         if run_id != self._redis_run_id:  # a Redis we have not published to: the prefix-cache set goes whole
             self._redis_run_id = run_id

@@ -59,6 +59,9 @@ def add_service_args(p: argparse.ArgumentParser) -> None:
     env = os.environ.get
     add_front_args(p, "DECODELAB_ENGINE_PORT", 8000)
     p.add_argument("--replica-name", default=None)
+    p.add_argument("--role", default=env("DECODELAB_ROLE", "both"), choices=["both", "prefill", "decode"],
+                   help="prefill/decode disaggregation: prefill replicas compute prompts and hand their KV blocks "
+                        "to decode replicas through Redis")
     p.add_argument("--claim-idle", type=float, default=float(env("DECODELAB_CLAIM_IDLE_S", 10.0)),
                    help="seconds before a dead replica's request is re-run elsewhere")
     p.add_argument("--expected-tokens", type=int, default=int(env("DECODELAB_EXPECTED_TOKENS", 256)),
@@ -74,7 +77,7 @@ def _load(state: ServiceState, args, metrics: ReplicaMetrics, server) -> None:
     try:
         engine = LLMEngine(engine_config_from_args(args))
         cfg = ReplicaConfig(args.redis_url, keys=state.client.keys, model_name=state.model_name,
-                           claim_idle_s=args.claim_idle, expected_tokens=args.expected_tokens)
+                           claim_idle_s=args.claim_idle, expected_tokens=args.expected_tokens, role=args.role)
         if args.replica_name:
             cfg.name = args.replica_name
         state.replica = Replica(engine, cfg, metrics).start()

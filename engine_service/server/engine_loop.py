@@ -10,6 +10,7 @@ import logging
 import queue
 import time
 
+from engine_service.engine.kv_transfer import export_prompt_blocks, import_prompt_blocks
 from engine_service.engine.sampling_params import SamplingParams
 from engine_service.server.events import done_event, error_event, token_events
 from engine_service.server.jobs import (
@@ -147,7 +148,13 @@ class EngineLoop:
             if why:
                 s.end(job, error_event(job, "limit_exceeded", why))
                 return
-            self.engine.add_request(job.rid, prompt, SamplingParams(**job.request.params.model_dump()))
+            params = SamplingParams(**job.request.params.model_dump())
+            if job.kv is not None:
+                self._import(job, prompt)
+            if job.prefill_only:  # the real params are checked here; the decode replica runs them
+                params.validate()
+                params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+            self.engine.add_request(job.rid, prompt, params)
             job.started = True
         except (ValueError, TypeError) as e:
             s.end(job, error_event(job, "invalid_request", str(e)))
@@ -155,6 +162,15 @@ class EngineLoop:
             log.exception("add_request %s", job.rid)
             self.engine.abort(job.rid)
             s.end(job, error_event(job, "engine_error", f"{type(e).__name__}: {e}"))
+
+    def _import(self, job: Job, prompt: str | list[int]) -> None:
+        """A prefill replica's blocks into this engine's prefix cache; what does not fit is computed again."""
+        ids = prompt if isinstance(prompt, list) else self.engine.tokenizer(prompt).input_ids
+        try:
+            job.handover["imported_tokens"] = import_prompt_blocks(self.engine, ids, job.kv)
+        except ValueError as e:  # another model, block size or KV dtype: recompute
+            log.warning("request %s: %s", job.rid, e)
+        job.kv = None
 
     def _prompt(self, job: Job) -> str | list[int]:
         req = job.request
@@ -192,6 +208,12 @@ class EngineLoop:
     def _on_output(self, job: Job, out, now: float) -> None:
         s = self.s
         job.prompt_tokens = len(out.prompt_token_ids)
+        if job.prefill_only:  # its prompt is computed: the blocks and the request go to a decode replica
+            if out.error is not None:
+                s.end(job, error_event(job, "engine_error", out.error))
+            elif out.finished:
+                s.hand_over(job, export_prompt_blocks(self.engine, out.prompt_token_ids))
+            return
         for ev in token_events(job, out, self.engine.tokenizer):
             s.outbox.put(Publish(job.rid, encode(ev)))
             s.metrics.generated.inc(len(ev.token_ids))

@@ -150,6 +150,7 @@ def done_event(job: Job, reason: str | None, outputs, tokenizer, replica: str) -
     metrics = Metrics(replica=replica, prompt_tokens=job.prompt_tokens, completion_tokens=n_out,
                       cached_prompt_tokens=job.cached_prompt_tokens,
                       queue_s=job.picked_at - created, e2e_s=now - created, tpot_s=tpot, spec=job.spec,
+                      handover=job.handover,
                       ttft_s=None if job.first_token_at is None else job.first_token_at - created)
     return DoneEvent(request_id=job.rid, seq=job.next_seq(), attempt=job.attempt, finish_reason=reason,
                      text=completions[0].text, outputs=completions, metrics=metrics, prompt=job.prompt)

@@ -228,7 +228,21 @@ class Intake:
             s.end(job, error_event(job, "deadline_exceeded", "deadline passed while queued"))
             return
         job.cancelled = job.cancelled or bool(cancelled)
+        if (handle := fields.get("kvx")) is not None:  # prefilled elsewhere: take its blocks (engine_loop imports)
+            self._receive(job, handle, fields.get("from", ""))
+        elif s.cfg.role == "prefill" and request.params.prompt_logprobs is None:
+            job.prefill_only = True  # (prompt log-probs are scored during a prefill: those run here whole)
         s.commands.put(Add(job))
+
+    def _receive(self, job: Job, handle: str, sender: str) -> None:
+        """The blocks a prefill replica handed over, off the engine thread. Gone (expired, or taken by a decode
+        replica that died since): the prompt is computed here again."""
+        job.handover = {"from": sender, "blocks": 0, "bytes": 0, "imported_tokens": 0}
+        got = self.s.kv_connector.receive(handle) if self.s.kv_connector is not None else None
+        if got is not None:
+            job.kv, sent_at = got
+            job.handover.update(blocks=len(job.kv.hashes), bytes=job.kv.num_bytes,
+                                transfer_ms=round(max(0.0, time.time() - sent_at) * 1000, 2))
 
     def _dead_letter(self, entry_id: str, fields: dict, attempts: int) -> None:
         s = self.s

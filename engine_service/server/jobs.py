@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine_service.engine.kv_transfer import KVBlocks
 from engine_service.engine.roofline import StepRecord
 from shared.protocol import GenerationRequest, PromptScores
 
@@ -28,6 +29,9 @@ class Job:
     spec: dict | None = None  # the engine's speculative counters (RequestMetrics.spec), latest
     prompt: PromptScores | None = None  # params.prompt_logprobs, once the engine has scored the prompt
     cached_prompt_tokens: int = 0  # the engine's RequestMetrics.cached_prompt_tokens
+    prefill_only: bool = False  # a prefill replica computes its prompt, then hands it over (no tokens sent)
+    kv: KVBlocks | None = None  # decode side: the blocks a prefill replica sent, until the engine thread imports them
+    handover: dict | None = None  # decode side: from, blocks, bytes, transfer_ms, imported_tokens (DoneEvent metrics)
 
     @property
     def rid(self) -> str:
@@ -93,6 +97,14 @@ class KVSync:
 
 
 @dataclass(frozen=True)
+class HandOver:
+    """A prefilled request: its blocks go to the KV connector, its entry to a decode replica's stream."""
+
+    job: Job
+    blocks: KVBlocks
+
+
+@dataclass(frozen=True)
 class Finish:
     request_id: str
     entry_id: str
@@ -101,4 +113,4 @@ class Finish:
     client_id: str
 
 
-OutboxItem = Publish | StoreSnapshot | AppendSteps | KVEvents | KVSync | Finish
+OutboxItem = Publish | StoreSnapshot | AppendSteps | KVEvents | KVSync | HandOver | Finish

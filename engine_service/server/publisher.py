@@ -4,15 +4,25 @@ atomic script that stores the result, publishes it, acknowledges and deletes the
 slot)."""
 from __future__ import annotations
 
+import json
 import logging
 import queue
 from dataclasses import asdict
 
-from engine_service.server.jobs import AppendSteps, Finish, KVEvents, KVSync, OutboxItem, Publish, StoreSnapshot
+from engine_service.server.jobs import (
+    AppendSteps,
+    Finish,
+    HandOver,
+    KVEvents,
+    KVSync,
+    OutboxItem,
+    Publish,
+    StoreSnapshot,
+)
 from engine_service.server.state import CONN_ERRORS, ReplicaState
 from shared.monitor import STEPS_MAXLEN, StepRecord
-from shared.protocol import encode
-from shared.scripts import FINISH
+from shared.protocol import PROTOCOL_VERSION, encode
+from shared.scripts import FINISH, HANDOVER
 
 log = logging.getLogger("decodelab.replica")
 
@@ -21,6 +31,7 @@ class Publisher:
     def __init__(self, state: ReplicaState):
         self.s = state
         self._finish = state.redis.register_script(FINISH)
+        self._handover = state.redis.register_script(HANDOVER)
 
     def _take(self, pending: list[OutboxItem]) -> None:
         """Wait briefly for one item, then take whatever else is queued (up to 512 a pipeline)."""
@@ -75,12 +86,41 @@ class Publisher:
                 self._execute(pipe)  # what came before, then the set rewritten in one transaction
                 self._sync_kv(item.names)
                 pipe = s.redis.pipeline(transaction=False)
+            elif isinstance(item, HandOver):
+                self._execute(pipe)
+                self._hand_over(item)
+                pipe = s.redis.pipeline(transaction=False)
             else:
                 rid = item.request_id
                 self._finish(keys=[keys.result(rid), keys.events(rid), item.stream, keys.owner(rid),
                                    keys.client(item.client_id)],
                              args=[keys.group, item.entry_id, item.payload, s.cfg.result_ttl_s, rid], client=pipe)
         self._execute(pipe)
+
+    def _hand_over(self, item: HandOver) -> None:
+        """The blocks to the connector, then the request to the least loaded decode replica's stream (the shared
+        stream when there is none: any replica then decodes it whole)."""
+        s, keys, job = self.s, self.s.keys, item.job
+        target = self._decode_stream()
+        handle = s.kv_connector.send(job.rid, item.blocks)
+        self._handover(keys=[job.stream, target, keys.owner(job.rid), keys.attempt(job.rid), keys.streams],
+                       args=[keys.group, job.entry_id, PROTOCOL_VERSION, job.rid, encode(job.request), handle,
+                             s.cfg.name])
+
+    def _decode_stream(self) -> str:
+        s, keys = self.s, self.s.keys
+        (sec, usec) = s.redis.time()
+        names = s.redis.zrangebyscore(keys.live, sec * 1000 + usec // 1000, "+inf")
+        infos = s.redis.mget([keys.replica(n) for n in names]) if names else []
+        decoders = [n for n, raw in zip(names, infos) if raw and (i := json.loads(raw)).get("role") == "decode"
+                    and i.get("accepting", True)]
+        if not decoders:
+            return keys.stream
+        pipe = s.redis.pipeline(transaction=False)
+        for n in decoders:
+            pipe.xlen(keys.replica_stream(n))
+        queued = pipe.execute()
+        return keys.replica_stream(min(zip(queued, decoders))[1])
 
     def _sync_kv(self, names: list[str]) -> None:
         """Replace the published set of cached block hashes (a router never sees it half rewritten)."""

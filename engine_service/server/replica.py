@@ -19,6 +19,7 @@ from engine_service.server.control import Control
 from engine_service.server.engine_loop import EngineLoop
 from engine_service.server.intake import Intake
 from engine_service.server.jobs import Drop
+from engine_service.server.kv_connector import RedisKVConnector
 from engine_service.server.metrics import ReplicaMetrics
 from engine_service.server.publisher import Publisher
 from engine_service.server.state import ReplicaState
@@ -35,6 +36,7 @@ class Replica:
                                       health_check_interval=5)
         self.state = ReplicaState(engine, config, metrics or ReplicaMetrics(CollectorRegistry()), client,
                                   engine.stats())
+        self.state.kv_connector = RedisKVConnector(config.redis_url, config.keys, config.kv_transfer_ttl_s)
         self.state.pulling.set()
         # measured before serving (the engine would compete for the cores), once per process (roofline.py)
         roofs = engine_roofs(engine)

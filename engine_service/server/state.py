@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 
 import redis
 
+from engine_service.engine.kv_transfer import KVBlocks
 from engine_service.engine.stats import EngineStats
 from engine_service.engine.utils import cdiv
 from engine_service.server.config import ReplicaConfig
-from engine_service.server.jobs import Command, Finish, Job, OutboxItem
+from engine_service.server.jobs import Command, Finish, HandOver, Job, OutboxItem
 from engine_service.server.metrics import ReplicaMetrics
 from shared.protocol import DoneEvent, ErrorEvent, encode
 
@@ -43,6 +44,7 @@ class ReplicaState:
     # set when the published prefix-cache set must be rewritten whole (at start; after Redis lost it): the engine
     # thread then queues a KVSync
     kv_resync: threading.Event = field(default_factory=threading.Event)
+    kv_connector: object | None = None  # server/kv_connector.py KVConnector: prefill/decode hand-overs
 
     @property
     def keys(self):
@@ -58,6 +60,12 @@ class ReplicaState:
         by_blocks = st.blocks_free // cdiv(self.cfg.expected_tokens, st.block_size) - unstarted
         cap = min(free_seqs, by_blocks, self.cfg.max_pull)
         return max(cap, 1) if not self.jobs else max(cap, 0)
+
+    def hand_over(self, job: Job, blocks: KVBlocks) -> None:
+        """A prefilled job leaves this replica for a decode replica (the publisher moves its entry)."""
+        self.jobs.pop(job.rid, None)
+        self.metrics.finished.labels("handed_over").inc()
+        self.outbox.put(HandOver(job, blocks))
 
     def end(self, job: Job, terminal: DoneEvent | ErrorEvent) -> None:
         """The job's last word: forget it here, hand the terminal event to the publisher's atomic finish."""
