@@ -139,9 +139,16 @@ def _pill(col: Column) -> str:
     label = STATUS.get(col.status, col.status)
     if col.status == "queued":
         label = f"queued · #{col.queue_position} in line" if col.queue_position else "picked up · prefilling"
+    title = ""
     if col.status == "done" and col.done and col.done.metrics.replica:
-        label += f" · {escape(col.done.metrics.replica)}"
-    return f'<span class="pill s-{col.status}">{escape(label)}</span>'
+        label += f" · {col.done.metrics.replica}"
+        if (h := col.done.metrics.handover):  # prefill/decode disaggregation: the prompt was computed elsewhere
+            label = f"{STATUS.get(col.status, col.status)} · {h.get('from', '?')} → {col.done.metrics.replica}"
+            title = (f"prefilled on {h.get('from', '?')}, decoded on {col.done.metrics.replica}: "
+                     f"{h.get('blocks', 0)} KV blocks ({h.get('bytes', 0) / 1e6:.2f} MB) handed over in "
+                     f"{h.get('transfer_ms', 0):.0f} ms through Redis; {h.get('imported_tokens', 0)} prompt tokens "
+                     f"not computed again")
+    return f'<span class="pill s-{col.status}" title="{escape(title)}">{escape(label)}</span>'
 
 
 def _rate_s(col: Column, k: int) -> str:

@@ -53,6 +53,15 @@ def test_services_have_the_required_shape():
     assert "/ready" in " ".join(api["healthcheck"]["test"])
 
 
+def test_prefill_and_decode_replicas_come_with_the_pd_profile():
+    assert "prefill" not in json.loads(compose("config", "--format", "json").stdout)["services"]
+    services = json.loads(compose("--profile", "pd", "config", "--format", "json").stdout)["services"]
+    for role in ("prefill", "decode"):
+        command = services[role]["command"]
+        assert command[:2] == ["decodelab", "engine"] and command[command.index("--role") + 1] == role
+        assert "ports" not in services[role] and services[role]["environment"]["REDIS_URL"]
+
+
 def test_every_service_limit_reaches_the_replicas_and_the_web_ui():
     from shared.limits import ENV, Limits
 

@@ -145,3 +145,18 @@ def test_the_runs_last_frame_sends_an_unchanged_column_as_drawn_before():
     last = handlers._frame(run, seen, final=True)[1:1 + len(MODES)]
     changed = {m for m, a, b in zip(MODES, first, last) if a != b}
     assert changed == {"greedy", "speculative"}  # speculative is drawn against greedy's tokens
+
+
+def test_a_handed_over_column_names_both_replicas_and_the_transfer():
+    """Prefill/decode disaggregation: the pill says where the prompt was computed and where it was decoded."""
+    from shared.protocol import DoneEvent, Metrics
+
+    col = _column("greedy", ["a"])
+    col.status = "done"
+    col.done = DoneEvent(request_id="r", seq=1, attempt=1, finish_reason="length", text="a", outputs=[],
+                         metrics=Metrics(replica="decode-1", handover={"from": "prefill-1", "blocks": 3,
+                                                                       "bytes": 1_500_000, "transfer_ms": 7.5,
+                                                                       "imported_tokens": 48}))
+    html = column_html(col)
+    assert "done · prefill-1 → decode-1" in html
+    assert "3 KV blocks (1.50 MB) handed over in 8 ms" in html and "48 prompt tokens" in html
