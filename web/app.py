@@ -17,6 +17,7 @@ from web import handlers  # noqa: E402
 from web.modes import CONSTRAINTS, MAX_TOKENS_LIMIT, MODES, Settings  # noqa: E402
 from web.roofline import roofline_html  # noqa: E402
 from web.session import Service  # noqa: E402
+from web.trace import trace_html  # noqa: E402
 
 CSS_PATH = Path(__file__).with_name("style.css")
 JS_PATH = Path(__file__).with_name("branching.js")  # click a token: its alternatives, pick one to branch
@@ -146,6 +147,9 @@ def build_app(service: Service) -> gr.Blocks:
                                       elem_id="compare-proposers", info="needs a replica with a draft model")
         with gr.Row(equal_height=False):
             outs = [gr.HTML(h.idle_column(m), elem_id=f"out-{m}", min_width=220) for m in MODES]
+        gr.HTML('<div class="sect">Probability trace <small>the chosen token\'s probability along each column\'s '
+                'text, and the entropy of its distribution</small></div>')
+        trace = gr.HTML(trace_html([]), elem_id="trace")
         with gr.Row(equal_height=False):
             with gr.Column(scale=3):
                 gr.HTML('<div class="sect">KV cache</div>')
@@ -167,18 +171,18 @@ def build_app(service: Service) -> gr.Blocks:
                   temperature, top_k, top_p, min_p, seed, n, proposer, spec_k, constraint_type, constraint, compare]
         # always_last: a Run clicked while the last run still draws its summary (after every column is final)
         # runs next; Gradio's default ("once") would drop that click silently
-        run_event = run_btn.click(h.run, inputs, [message, *outs, kv, steps, chart, run_json], api_name="run",
+        run_event = run_btn.click(h.run, inputs, [message, *outs, kv, steps, trace, chart, run_json], api_name="run",
                                   concurrency_limit=None, show_progress="hidden", trigger_mode="always_last")
-        prompt.submit(h.run, inputs, [message, *outs, kv, steps, chart, run_json], api_name=False,
+        prompt.submit(h.run, inputs, [message, *outs, kv, steps, trace, chart, run_json], api_name=False,
                       concurrency_limit=None, show_progress="hidden", trigger_mode="always_last")
         examples.click(_example, examples, [prompt, chat, system, constraint_type, constraint, constraint_box],
                        api_name=False, queue=False)
         stop_btn.click(h.stop, None, None, api_name="stop", concurrency_limit=None, queue=False)
         del run_event
         read_cmd = "(x) => [window.dlBranchCmd || x || '']"
-        fork_btn.click(h.fork, branch_cmd, [message, *outs, kv, steps], js=read_cmd, api_name="fork",
+        fork_btn.click(h.fork, branch_cmd, [message, *outs, kv, steps, trace], js=read_cmd, api_name="fork",
                        trigger_mode="multiple", concurrency_limit=None, show_progress="hidden")
-        switch_btn.click(h.switch, branch_cmd, outs, js=read_cmd, api_name=False, trigger_mode="multiple",
+        switch_btn.click(h.switch, branch_cmd, [*outs, trace], js=read_cmd, api_name=False, trigger_mode="multiple",
                          queue=False, show_progress="hidden")
         shade.change(None, shade, None, js=SHADE_JS, api_name=False, queue=False)
         timer = gr.Timer(1.0)

@@ -19,6 +19,7 @@ from web.modes import MODES, Settings, check_prompt
 from web.render import column_html, message_html
 from web.roofline import roofline_html
 from web.session import Run, Service
+from web.trace import Trace, trace_html
 
 MAX_SESSIONS = 1000
 BYTES_PER_S = 400_000  # streaming budget per browser: big frames (long outputs with hover data) come less often
@@ -41,6 +42,11 @@ def service_html(service: Service, ok: bool, live: dict[str, dict]) -> str:
     running = sum(int(r.get("running", 0)) for r in live.values())
     return (f'<div class="svc"><span class="dot"></span>{len(live)} replica{"s" if len(live) > 1 else ""} · '
             f'{", ".join(models)} · {running} running</div>')
+
+
+def run_trace_html(run: Run, running: bool = False) -> str:
+    """The probability trace of what each column shows (output 0 of its shown branch)."""
+    return trace_html([Trace.of(m, run.trees[m].current.tokens()) for m in MODES], running=running)
 
 
 def compare_control(live: dict[str, dict]) -> gr.Checkbox:
@@ -79,14 +85,14 @@ class Handlers:
                             compare_proposers=bool(compare))
         skip = gr.skip()
         if (error := check_prompt(settings)) is not None:
-            yield message_html(error), *[skip] * 4, skip, skip, skip, {"error": error}
+            yield message_html(error), *[skip] * 4, skip, skip, skip, skip, {"error": error}
             return
         ok, live = await self.service.health()
         if not ok or not live:
             error = ("Redis is unreachable: the playground cannot reach the engine." if not ok else
                      "No engine replica is connected to Redis, so nothing would answer. Start one "
                      "(decodelab engine, or decodelab play); a model may still be loading.")
-            yield message_html(error), *[skip] * 4, skip, skip, skip, {"error": error}
+            yield message_html(error), *[skip] * 4, skip, skip, skip, skip, {"error": error}
             return
         session = request.session_hash if request is not None else ""
         run = Run(self.service, settings, share_prompt=bool(share), client_id=(session or "")[:128])
@@ -128,7 +134,12 @@ class Handlers:
             steps = gr.skip()
         else:
             seen["steps"] = steps
-        run.pace = sum(len(x) for x in (*htmls, kv, steps) if isinstance(x, str)) / BYTES_PER_S
+        trace = run_trace_html(run, running=not final)
+        if trace == seen.get("trace") and not final:
+            trace = gr.skip()
+        else:
+            seen["trace"] = trace
+        run.pace = sum(len(x) for x in (*htmls, kv, steps, trace) if isinstance(x, str)) / BYTES_PER_S
         if final:
             msg = message_html(run.message) if run.message else ""
             fig = summary_figure([cols[m] for m in MODES])
@@ -136,9 +147,9 @@ class Handlers:
                     "kv": run.kv[0].stats if run.kv else None,
                     "proposers": None if run.rival is None else {  # compare proposers: both speculative runs
                         c.request.params.proposer: c.summary() for c in (cols["speculative"], run.rival)}}
-            return msg, *htmls, kv, steps, fig, data
+            return msg, *htmls, kv, steps, trace, fig, data
         msg = message_html(run.message) if run.message else ""
-        return msg, *htmls, kv, steps, (None if clear else gr.skip()), gr.skip()
+        return msg, *htmls, kv, steps, trace, (None if clear else gr.skip()), gr.skip()
 
     async def stop(self, request: gr.Request):
         run = self.runs.get(request.session_hash if request is not None else "")
@@ -165,7 +176,7 @@ class Handlers:
             picked = Token(c["text"], c["token_id"], alts.get(c["token_id"]))
             branch = run.fork(c["mode"], c["branch"], c["pos"], picked)
         except (BranchError, ValueError, KeyError, TypeError) as e:
-            yield message_html(str(e)), *[skip] * len(MODES), skip, skip
+            yield message_html(str(e)), *[skip] * len(MODES), skip, skip, skip
             return
         kv_at = 0.0
         async with contextlib.aclosing(run.follow(branch)) as updates:
@@ -179,7 +190,7 @@ class Handlers:
                     await run.take_steps()  # the branch's steps join the run's
                     kv = kv_panel_html(run.kv, run.owners(), run.kv_peak, running=not branch.column.finished)
                     steps = roofline_html(run.step_lists(), run.roofs, running=not branch.column.finished)
-                yield "", *self._column(run, c["mode"]), kv, steps
+                yield "", *self._column(run, c["mode"]), kv, steps, run_trace_html(run)
 
     async def switch(self, cmd: str, request: gr.Request):
         """Show another branch of a column: its tokens are kept in the session, nothing runs."""
@@ -190,8 +201,8 @@ class Handlers:
                 raise BranchError("nothing to switch: run first")
             run.trees[c["mode"]].switch(c["branch"])
         except (BranchError, ValueError, KeyError, TypeError):
-            return [gr.skip()] * len(MODES)
-        return self._column(run, c["mode"])
+            return [gr.skip()] * (len(MODES) + 1)
+        return [*self._column(run, c["mode"]), run_trace_html(run)]
 
     async def tick(self, request: gr.Request):
         ok, live = await self.service.health()

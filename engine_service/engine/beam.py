@@ -7,6 +7,9 @@ those among the top W that stop become finished hypotheses (scored by log-prob /
 the best W that do not stop are the next live beams. A beam that survives into several children is
 forked (the children share all its blocks; the first write into the shared last block copies it);
 a beam with no child is freed at once. Finished hypotheses are plain token lists: they hold no blocks.
+Under a grammar (structured outputs) two rules are added, since an output cut at max_tokens is no valid document:
+every beam whose grammar may end offers that ending as a hypothesis, top W or not, and hypotheses that ended the
+grammar rank above those cut at max_tokens (docs/decoding.md, "Structured outputs").
 
 The search also records its tree for the playground (`events`, drained with each output): every hypothesis it
 keeps is a node (the prompt is node 0); a step adds a "fork" node per live beam it keeps (child of the beam it
@@ -40,6 +43,9 @@ class BeamSearch:
         self.width, self.length_penalty, self.early_stopping = p.beam_width, p.length_penalty, p.early_stopping
         self.max_tokens, self.num_logprobs = p.max_tokens, p.logprobs
         self.stop_ids = stop_ids
+        self._stop_list = torch.tensor(sorted(stop_ids), dtype=torch.long)
+        # under a grammar an output cut at max_tokens is not a valid document: endings rank first (_rank)
+        self.constrained = p.structured_outputs is not None
         # HF keeps (1 + #stop tokens) * W candidates (at least 2W): then W of them never stop
         self.num_candidates = max(2, 1 + len(stop_ids)) * self.width
         self.scores = torch.zeros(1)  # per live beam (req.seqs order, best first): summed processed log-probs
@@ -92,11 +98,16 @@ class BeamSearch:
         stops = [t in self.stop_ids or gen_len >= self.max_tokens for t in tokens]
         penalised = top / gen_len ** self.length_penalty
         step, parent_nodes = self.num_steps, [self.nodes.get(s.seq_id, 0) for s in beams]
+        ended = set()  # beams that ended with a stop token this step
         for i in range(min(self.width, len(tokens))):  # only the top W candidates may finish (HF)
             if stops[i]:
                 b = parents[i]
                 self._add_finished(beams[b], tokens[i], raw[b], float(penalised[i]), nats[b], masked[b],
                                    parent_nodes[b], step, tops[b])
+                if tokens[i] in self.stop_ids:
+                    ended.add(b)
+        if self.constrained:
+            self._offer_endings(beams, processed, raw, ended, gen_len, nats, masked, parent_nodes, step, tops)
         keep = [i for i in range(len(tokens)) if not stops[i]][:self.width]
         children: dict[int, list[int]] = {}
         for i in keep:
@@ -127,6 +138,22 @@ class BeamSearch:
             for seq in req.seqs:
                 self._event("prune", step, self.nodes.pop(seq.seq_id))
                 drop(seq)
+
+    def _offer_endings(self, beams: list[Sequence], processed: torch.Tensor, raw: torch.Tensor, ended: set[int],
+                       gen_len: int, nats: list, masked: list, parent_nodes: list[int], step: int,
+                       tops: list[dict[int, float]]) -> None:
+        """Under a grammar: every beam whose grammar may end here (its mask allows a stop token) and which did not
+        end among the top W also ends, as a finished hypothesis scored as any other. HF's top-W rule would drop
+        it (a beam after a JSON document's last "}" may take only its stop token, often an unlikely one) and
+        leave nothing but outputs cut at max_tokens; it holds no block, and it competes on score."""
+        stops = processed[:, self._stop_list]  # [beams, #stop ids]: -inf where the mask forbids a stop token
+        best, at = stops.max(dim=1)
+        for b in range(len(beams)):
+            if b in ended or not bool(torch.isfinite(best[b])):
+                continue
+            score = float(self.scores[b] + best[b]) / gen_len ** self.length_penalty
+            self._add_finished(beams[b], int(self._stop_list[at[b]]), raw[b], score, nats[b], masked[b],
+                               parent_nodes[b], step, tops[b])
 
     def drain(self) -> list[dict]:
         """The tree's changes since the last call."""
@@ -186,12 +213,17 @@ class BeamSearch:
                          logprobs, "stop" if token in self.stop_ids else "length", entropies, masks,
                          self._new_node())
         self.finished.append(hyp)
-        self.finished.sort(key=lambda h: -h.score)  # stable: on a tie the earlier hypothesis stays ahead
+        self.finished.sort(key=self._rank)  # stable: on a tie the earlier hypothesis stays ahead
         rank = next((r for r, h in enumerate(self.finished[:self.width]) if h is hyp), None)
         self._event("finish", step, hyp.node, parent_node, token, float(raw[token]), score, rank)
         for lost in self.finished[self.width:]:
             self._event("prune", step, lost.node)
         del self.finished[self.width:]
+
+    def _rank(self, hyp: Hypothesis) -> tuple[bool, float]:
+        """Best first: by score (HF); under a grammar, every hypothesis that ended it before any cut at max_tokens
+        (a truncated document is invalid, however likely its tokens)."""
+        return self.constrained and hyp.finish_reason == "length", -hyp.score
 
     def outputs(self, req: Request, decode) -> list[CompletionOutput]:
         """The n best: finished hypotheses once done, else the live beams (score as if they ended now)."""

@@ -2,6 +2,8 @@
 
 The API answers /health (and /ready = 503) while the model loads; on SIGINT / SIGTERM uvicorn ends open HTTP
 streams, then the app's lifespan stops pulling, lets running requests finish (--drain-timeout) and exits.
+The access log leaves out the answers to probes (`ProbeFilter`): `decodelab play`, compose and Kubernetes poll
+/ready every second or so, and a model that loads for a minute would print a screen of `GET /ready 503` lines.
 """
 from __future__ import annotations
 
@@ -23,6 +25,27 @@ from shared.client import EngineClient
 from shared.keys import Keys
 
 log = logging.getLogger("decodelab.engine")
+
+PROBES = ("/health", "/ready", "/metrics")  # polled by play, compose, Kubernetes and Prometheus
+
+
+class ProbeFilter(logging.Filter):
+    """Drops uvicorn's access-log lines of probes answered as expected: 200, or /ready's 503 while the model loads
+    (or Redis is away: the replica logs that itself). Every other line stays, a probe's 500 or 404 included."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args  # uvicorn's access record: (client, method, path with query, http version, status)
+        if not isinstance(args, tuple) or len(args) != 5:
+            return True
+        _, method, path, _, status = args
+        return not (method == "GET" and str(path).split("?", 1)[0] in PROBES and status in (200, 503))
+
+
+def quiet_probes() -> None:
+    """Installs ProbeFilter on uvicorn's access logger (after uvicorn.Config, which configures that logger)."""
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, ProbeFilter) for f in access.filters):
+        access.addFilter(ProbeFilter())
 
 
 def add_parser(subparsers, add_engine_args) -> argparse.ArgumentParser:
@@ -114,6 +137,7 @@ def run_engine(args: argparse.Namespace) -> int:
     app = create_app(state)
     # backlog: thousands of streaming clients may connect at once (the default queue is 2,048)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(), backlog=4096)
+    quiet_probes()
     server = _Server(config, state)
     loader = threading.Thread(target=_load, args=(state, args, ReplicaMetrics(registry), server), daemon=True)
     loader.start()  # the API answers /health (and /ready = 503) while the model loads

@@ -4,10 +4,13 @@ The SmolLM2 cases batch 20 JSON schemas and 10 regexes per mode. A run that ends
 (json + jsonschema_rs, re.fullmatch); one cut at max_tokens must be a prefix the grammar accepts token by token.
 """
 import json
+import math
 import re
+import sys
 
 import jsonschema_rs
 import pytest
+import torch
 import xgrammar as xgr
 
 from engine_service.engine.llm import LLM
@@ -17,6 +20,7 @@ from engine_service.engine.sampling_params import SamplingParams, StructuredOutp
 from engine_service.engine.structured import StructuredDecoding, build_grammar, masks
 
 S = StructuredOutputsParams
+inf = float("inf")
 STR = {"type": "string", "maxLength": 12}
 SCHEMAS = [
     {"type": "object", "properties": {"name": STR, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
@@ -73,6 +77,11 @@ def smollm2(smollm2_dir):
     return LLM(str(smollm2_dir), num_kv_blocks=1024)
 
 
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_llama_dir):
+    return LLM(str(tiny_llama_dir), num_kv_blocks=512)
+
+
 _RUNS: dict[str, list] = {}  # mode -> outputs: the greedy run serves two tests
 
 
@@ -127,6 +136,98 @@ def test_each_beam_keeps_its_own_grammar_state(smollm2):
     assert len(out.outputs) == 4
     for o in out.outputs:
         assert o.text in choices and o.finish_reason == "stop"
+
+
+# ---- beam search under a grammar: a beam that ends the grammar wins over outputs cut at max_tokens
+
+ENUM_NUMBER = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]},
+                                                "temperature": {"type": "number"}}, "required": ["unit", "temperature"]}
+EOS, DIGIT, CLOSE = 0, 1, 2  # the toy vocabulary of the BeamSearch cases: stop token, a digit, "}"
+
+
+def load_json(text: str):
+    """JSON allows any exponent, and a small model writes numbers such as 4.2e381333333333: a number beyond float's
+    range reads as the largest float of its sign (json.loads would give inf, which a schema's "number" refuses)."""
+    return json.loads(text, parse_float=lambda s: math.copysign(min(abs(float(s)), sys.float_info.max), float(s)))
+
+
+def toy_search(constrained: bool, max_tokens: int = 3):
+    """A width-2 BeamSearch over a 4-token toy vocabulary, driven without a model: `step(rows)` gives each live beam
+    its log-probs as a grammar would mask them (a digit may always follow; after "}" only the stop token, which the
+    model finds unlikely: -9) and runs one search step."""
+    from engine_service.engine.beam import BeamSearch
+    from engine_service.engine.sequence import Request, Sequence
+
+    spec = S(regex="[0-9]*}") if constrained else None
+    req = Request("toy", None, [7], SamplingParams(mode="beam", beam_width=2, n=2, temperature=0,
+                                                   max_tokens=max_tokens, structured_outputs=spec))
+    search = BeamSearch(req, {EOS})
+    ids = iter(range(1, 100))
+    req.seqs = [Sequence(next(ids), req, [7])]
+
+    def row(seq: Sequence) -> torch.Tensor:
+        if seq.output_token_ids[-1:] == [CLOSE]:
+            return torch.tensor([-9.0, -inf, -inf, -inf])
+        return torch.tensor([-inf, -0.1, -2.5, -inf])
+
+    def step():
+        for seq in req.seqs:
+            r = row(seq)
+            search.pending[seq.seq_id] = (r, r, None)
+        search.step(req, lambda parent: Sequence(next(ids), req, list(parent.token_ids)), lambda seq: None)
+    return search, step
+
+
+def test_a_beam_whose_grammar_can_only_stop_ends_though_its_stop_token_is_not_among_the_top_w():
+    search, step = toy_search(constrained=True)
+    step()  # live: [digit], ["}"]
+    step()  # "}" then its stop token (-11.5) is no top-2 candidate: HF would drop the beam, we keep its ending
+    assert [(h.token_ids, h.finish_reason) for h in search.finished] == [([CLOSE, EOS], "stop")]
+    assert search.finished[0].score == pytest.approx((-2.5 - 9.0) / 2)
+
+
+def test_under_a_grammar_finished_documents_rank_above_likelier_outputs_cut_at_max_tokens():
+    search, step = toy_search(constrained=True)
+    for _ in range(3):
+        step()
+    assert search.done
+    assert [(h.token_ids, h.finish_reason) for h in search.finished] == [
+        ([DIGIT, CLOSE, EOS], "stop"), ([CLOSE, EOS], "stop")]  # not [digit x3] (-0.1) nor [digit, digit, "}"]
+
+
+def test_without_a_grammar_beam_search_keeps_hf_rules():
+    search, step = toy_search(constrained=False)
+    for _ in range(3):
+        step()
+    assert [(h.token_ids, h.finish_reason) for h in search.finished] == [
+        ([DIGIT, DIGIT, DIGIT], "length"), ([DIGIT, DIGIT, CLOSE], "length")]
+
+
+@pytest.mark.parametrize("width", [2, 3, 4, 8])
+def test_beam_search_under_a_json_schema_returns_whole_documents(tiny_llm, width):
+    """The tiny random model writes long numbers; before the rule above, widths 3, 4, 6 and 8 returned outputs cut
+    mid-number at max_tokens (invalid JSON), as the OpenAI API did."""
+    llm = tiny_llm
+    messages = [{"role": "user", "content": "What is the temperature in Paris today? Answer in JSON."}]
+    out = llm.chat(messages, SamplingParams(mode="beam", beam_width=width, n=width, temperature=1.0, max_tokens=160,
+                                            structured_outputs=S(json=ENUM_NUMBER)))[0]
+    assert len(out.outputs) == width
+    for o in out.outputs:
+        assert o.finish_reason == "stop", o.text
+        jsonschema_rs.validate(ENUM_NUMBER, load_json(o.text))
+
+
+@pytest.mark.slow
+def test_smollm2_beam_search_under_json_schemas_returns_whole_documents(smollm2):
+    schemas = [ENUM_NUMBER, {"type": "object", "properties": {"name": STR, "price": {"type": "number"}},
+                             "required": ["name", "price"]}]
+    prompt = smollm2.apply_chat_template([{"role": "user", "content": "Answer in JSON."}])
+    for schema in schemas:
+        out = smollm2.generate(prompt, SamplingParams(mode="beam", beam_width=4, n=4, temperature=0, max_tokens=160,
+                                                      structured_outputs=S(json=schema)))[0]
+        for o in out.outputs:
+            assert o.finish_reason == "stop", o.text
+            jsonschema_rs.validate(schema, load_json(o.text))
 
 
 def test_forked_beams_get_independent_matchers(tiny_llama_dir):
@@ -250,7 +351,6 @@ def test_constrained_sampling_follows_the_masked_distribution(tiny_llama_dir, mo
     """Each token is a draw from the model's distribution renormalised over what the grammar allows (checked by
     randomized PIT against HF's logits and a fresh xgrammar matcher); speculative verification with n-gram drafts
     included."""
-    import torch
 
     from tests.engine.test_spec_sampling import uniform_p
     from tests.hf_oracle import hf_model

@@ -1,7 +1,9 @@
 """Structured outputs through the OpenAI API, as the official `openai` client sends them, over a real replica:
 response_format (json_object, json_schema) and vLLM's structured_outputs / guided_* extra fields, in every mode."""
 import json
+import math
 import re
+import sys
 
 import jsonschema_rs
 import openai
@@ -27,6 +29,43 @@ def test_response_format_json_schema_gives_json_that_follows_the_schema(client):
     assert len(done) >= 3
     for c in done:
         jsonschema_rs.validate(SCHEMA, json.loads(c.message.content))
+
+
+# a number of any length, enums, a boolean, a bounded integer: no free-length string, which the tiny random model may
+# fill up to max_tokens in any mode. Beam search maximises likelihood, and this model's likeliest tokens are JSON's free
+# whitespace (up to 24 characters a gap): with more gaps (an array) no beam of width 3-4 ends within 160 tokens
+# (docs/decoding.md)
+SCHEMAS = {
+    "enum+number": {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]},
+                                                     "temperature": {"type": "number"}},
+                    "required": ["unit", "temperature"]},
+    "boolean+enum": SCHEMA,
+    "integer+boolean": {"type": "object", "properties": {"count": {"type": "integer", "minimum": 0, "maximum": 10},
+                                                         "done": {"type": "boolean"}}, "required": ["count", "done"]},
+}
+MODES = {"greedy": dict(temperature=0), "sample": dict(temperature=1.0, seed=5),
+         "beam": dict(temperature=0, extra_body={"mode": "beam", "beam_width": 4}),
+         "speculative": dict(temperature=0, extra_body={"mode": "speculative", "proposer": "ngram"})}
+
+
+def load_json(text: str):
+    """JSON allows any exponent, and the tiny model writes numbers such as 4.2e381333333333: a number beyond float's
+    range reads as the largest float of its sign (json.loads would give inf, which a schema's "number" refuses)."""
+    return json.loads(text, parse_float=lambda s: math.copysign(min(abs(float(s)), sys.float_info.max), float(s)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", SCHEMAS)
+def test_json_schema_gives_a_whole_document_that_follows_it_in_every_mode(client, name, mode):
+    """Beam search too: a beam that ended the grammar wins over beams cut at max_tokens (docs/decoding.md)."""
+    schema = SCHEMAS[name]
+    fmt = {"type": "json_schema", "json_schema": {"name": name.replace("+", "_"), "schema": schema, "strict": True}}
+    messages = [{"role": "user", "content": "What is the temperature in Paris today? Answer in JSON."}]
+    out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=160, response_format=fmt,
+                                         **MODES[mode])
+    choice = out.choices[0]
+    assert choice.finish_reason == "stop", choice.message.content
+    jsonschema_rs.validate(schema, load_json(choice.message.content))
 
 
 def test_response_format_json_object_on_completions_gives_a_json_object(client):
