@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,3 +33,35 @@ def wait_until(predicate, timeout: float, interval: float = 0.02, what: str = "c
 def run(coro, timeout: float = 60.0):
     """Run a coroutine to completion with a hard timeout (every wait in these tests is bounded)."""
     return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+class Completions:
+    """Every event published under `keys` while it runs (asyncio): DoneEvents counted per request id (a request
+    completed twice shows as 2); `seen` is set at the first event of any kind."""
+
+    def __init__(self, redis, keys):
+        self.redis, self.keys = redis, keys
+        self.dones: Counter = Counter()
+        self.seen = asyncio.Event()
+
+    async def __aenter__(self) -> Completions:
+        self._pubsub = self.redis.pubsub()
+        await self._pubsub.psubscribe(self.keys.events("*"))
+        self._task = asyncio.create_task(self._watch())
+        return self
+
+    async def _watch(self) -> None:
+        from shared.protocol import DoneEvent, decode_event
+
+        while True:
+            msg = await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=0.2)
+            await asyncio.sleep(0)  # a busy channel would otherwise starve the other tasks
+            if msg:
+                ev = decode_event(msg["data"])
+                self.dones[ev.request_id] += isinstance(ev, DoneEvent)
+                self.seen.set()
+
+    async def __aexit__(self, *exc) -> None:
+        await asyncio.sleep(0.5)  # a late duplicate would show up now
+        self._task.cancel()
+        await self._pubsub.aclose()

@@ -176,12 +176,13 @@ async def faults(redis_url: str, prefix: str, reps: Replicas, args, rng: random.
     wall = time.perf_counter() - start
     await client.close()
     r = sync_redis.Redis.from_url(redis_url, decode_responses=True)
-    time.sleep(args_ttl := 2.0)  # the last hand-overs' keys are taken within this
+    settle_s = 2.0  # the last hand-overs' keys are taken within this
+    time.sleep(settle_s)
     left = {"transfer_keys": len(r.keys(keys.kv_transfer("*"))),
             "queued_or_pending": sum(r.xlen(s) for s in r.smembers(keys.streams))}
     r.close()
     return {"requests": args.fault_requests, "kills": kills, "outcomes": dict(outcomes), "wall_s": wall,
-            "left_behind": left, "settle_s": args_ttl}
+            "left_behind": left, "settle_s": settle_s}
 
 
 def run(args) -> int:

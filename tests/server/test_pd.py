@@ -11,7 +11,7 @@ from engine_service.bench.common import scrape_metrics
 from engine_service.engine.sampling_params import SamplingParams
 from shared.client import EngineClient
 from shared.protocol import PROTOCOL_VERSION, DoneEvent, GenerationRequest, SamplingOptions, decode_event, encode
-from tests.helpers import GREEDY, random_prompt, run, wait_until
+from tests.helpers import GREEDY, Completions, random_prompt, run, wait_until
 
 MODES = {
     "greedy": dict(max_tokens=12, **GREEDY),
@@ -106,32 +106,15 @@ def test_a_killed_decode_replica_hands_its_requests_on_exactly_once(spawn_replic
 
     async def main():
         r = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
-        watch = r.pubsub()
-        await watch.psubscribe(keys.events("*"))
-        dones: Counter = Counter()
-        decoding = asyncio.Event()
-
-        async def watch_all():
-            while True:
-                msg = await watch.get_message(ignore_subscribe_messages=True, timeout=0.2)
-                await asyncio.sleep(0)
-                if msg:
-                    ev = decode_event(msg["data"])
-                    dones[ev.request_id] += isinstance(ev, DoneEvent)
-                    decoding.set()  # only the decode side streams tokens
-
-        watcher = asyncio.create_task(watch_all())
-        client = EngineClient(r, keys, recover_after=1.0)
-        subs = [await client.submit(GenerationRequest(prompt=x, params=SamplingOptions(max_tokens=max_tokens,
-                                                                                       **GREEDY))) for x in prompts]
-        await asyncio.wait_for(decoding.wait(), 30)
-        d.kill(signal.SIGKILL)  # mid-decode: its entries are claimed by the prefill replica, which runs them whole
-        results = await asyncio.gather(*(_last(client, s) for s in subs))
-        await asyncio.sleep(0.5)
-        watcher.cancel()
-        await watch.aclose()
+        async with Completions(r, keys) as watch:
+            client = EngineClient(r, keys, recover_after=1.0)
+            subs = [await client.submit(GenerationRequest(prompt=x, params=SamplingOptions(
+                max_tokens=max_tokens, **GREEDY))) for x in prompts]
+            await asyncio.wait_for(watch.seen.wait(), 30)  # only the decode side streams: it is decoding
+            d.kill(signal.SIGKILL)  # its entries are claimed by the prefill replica, which runs them whole
+            results = await asyncio.gather(*(_last(client, s) for s in subs))
         await client.close()
-        return results, dones
+        return results, watch.dones
 
     results, dones = run(main(), 150)
     assert [x.outputs[0].token_ids for x in results] == want

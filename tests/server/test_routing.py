@@ -20,11 +20,10 @@ from shared.protocol import (
     DoneEvent,
     GenerationRequest,
     SamplingOptions,
-    decode_event,
 )
 from shared.router import Router
 from shared.routing import block_hashes, load_tokenizer, prompt_token_ids, routing_name, tokenizer_files
-from tests.helpers import GREEDY, random_prompt, run, wait_until
+from tests.helpers import GREEDY, Completions, random_prompt, run, wait_until
 
 
 # ---- what the router computes equals what the engine does
@@ -214,35 +213,18 @@ def test_routed_requests_of_a_killed_replica_complete_exactly_once(spawn_replica
 
     async def main():
         r = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
-        watch = r.pubsub()
-        await watch.psubscribe(keys.events("*"))
-        dones: Counter = Counter()
-        streamed = asyncio.Event()
-
-        async def watch_all():
-            while True:
-                msg = await watch.get_message(ignore_subscribe_messages=True, timeout=0.2)
-                await asyncio.sleep(0)
-                if msg:
-                    ev = decode_event(msg["data"])
-                    dones[ev.request_id] += isinstance(ev, DoneEvent)
-                    streamed.set()
-
-        watcher = asyncio.create_task(watch_all())
-        client = EngineClient(r, keys, recover_after=1.0)
-        subs = [await client.submit(GenerationRequest(prompt=p, params=SamplingOptions(max_tokens=max_tokens,
-                                                                                       **GREEDY)),
-                                    route_key="all-on-one") for p in prompts]
-        assert len({s.route.replica for s in subs}) == 1  # one route key: one replica
-        victim = a if subs[0].route.replica == "A" else b
-        await asyncio.wait_for(streamed.wait(), 30)  # running some (max-num-seqs 4), the rest queued behind them
-        victim.kill(signal.SIGKILL)
-        results = await asyncio.gather(*(_last(client, s) for s in subs))
-        await asyncio.sleep(0.5)  # a late duplicate would show up now
-        watcher.cancel()
-        await watch.aclose()
+        async with Completions(r, keys) as watch:
+            client = EngineClient(r, keys, recover_after=1.0)
+            subs = [await client.submit(GenerationRequest(prompt=p, params=SamplingOptions(max_tokens=max_tokens,
+                                                                                           **GREEDY)),
+                                        route_key="all-on-one") for p in prompts]
+            assert len({s.route.replica for s in subs}) == 1  # one route key: one replica
+            victim = a if subs[0].route.replica == "A" else b
+            await asyncio.wait_for(watch.seen.wait(), 30)  # running some (max-num-seqs 4), the rest queued
+            victim.kill(signal.SIGKILL)
+            results = await asyncio.gather(*(_last(client, s) for s in subs))
         await client.close()
-        return victim.name, results, dones
+        return victim.name, results, watch.dones
 
     victim, results, dones = run(main(), 150)
     assert all(isinstance(d, DoneEvent) for d in results), results
