@@ -137,8 +137,8 @@ class Intake:
             if isinstance(info, Exception) or len(taken) >= cap:
                 continue
             group = next((g for g in info if g.get("name") == keys.group), None)
-            if group is None or not group.get("lag"):
-                continue  # nothing undelivered there (lag: Redis 7+; None on older servers: try the read)
+            if group is None or group.get("lag") == 0:
+                continue  # nothing undelivered there (lag: Redis 7+; None on older servers: look anyway)
             serving = _accepting(beat)
             if serving:
                 oldest = s.redis.xrange(st, f"({group['last-delivered-id']}", "+", count=1)
