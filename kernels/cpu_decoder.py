@@ -20,7 +20,7 @@ class Ops(ctypes.Structure):
 
 
 class MatrixPtrs(ctypes.Structure):
-    _fields_ = [("packed", _p), ("scale", _p), ("bias", _p)]
+    _fields_ = [("packed", _p), ("ab", _p), ("scale", _p), ("bias", _p), ("xmax", ctypes.c_int32)]
 
 
 class Layer(ctypes.Structure):
