@@ -34,73 +34,56 @@ from kernels import _cbuild
 
 def _declare(lib: ctypes.CDLL) -> None:
     i64, p = ctypes.c_int64, ctypes.c_void_p
-    lib.dl_int8_linear.argtypes = [p, i64, i64, i64, p, p, p, p, p, i64, ctypes.c_int32]
+    lib.dl_int8_linear.argtypes = [p, i64, i64, i64, p, p, p, p, p, i64]
     lib.dl_int8_linear.restype = ctypes.c_int
 
 
 KERNEL = _cbuild.CKernel("cpu_int8", _declare)
 unavailable = KERNEL.unavailable  # None if the kernel runs here, else why not
 
-GROUP = 32  # weights along K that share one (a, b): llama.cpp's block (Q8_0, Q4_1)
-STEPS = 64  # the largest step multiplier a; scale is a row's widest group range / (255 * STEPS)
-INT16 = 32767
+GROUP = 32  # weights along K that share a step and an offset: llama.cpp's block (Q8_0, Q4_1)
 
 
 @dataclass(frozen=True)
 class GroupedInt8:
-    """A [n, k] weight as w[i, j] ~= scale[i] * (a[i, g] * u[i, j] + b[i, g]), g = j // GROUP: 8-bit codes u (uint8,
-    K padded with zeros to a multiple of GROUP), per group of GROUP an integer step a in [1, STEPS] and an integer
-    offset b (int16), one fp32 scale per row. Each group's 256 levels span its own [min, max] (asymmetric, as
-    llama.cpp's Q4_1 / Q5_1 blocks), and every a * u + b is an int16, so the kernel multiplies and sums in integers."""
+    """A [n, k] weight as w[i, j] ~= d[i, g] * u[i, j] + m[i, g], g = j // GROUP: 8-bit codes u (uint8, K padded with
+    zeros to a multiple of GROUP) and per group of GROUP an fp32 step d and offset m. A group's 256 levels span its
+    own [min, max] (asymmetric, as llama.cpp's Q4_1 / Q5_1 blocks)."""
     u: torch.Tensor
-    a: torch.Tensor
-    b: torch.Tensor
-    scale: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor
     k: int
 
     @property
     def n(self) -> int:
         return self.u.shape[0]
 
-    def integers(self) -> torch.Tensor:
-        """[n, k] int32: a * u + b, what the kernel multiplies the int16 activations by."""
-        n, g = self.a.shape
-        ints = self.a.int()[..., None] * self.u.view(n, g, GROUP).int() + self.b.int()[..., None]
-        return ints.view(n, g * GROUP)[:, :self.k]
-
     def dequantize(self) -> torch.Tensor:
         """[n, k] fp32."""
-        return self.integers().float() * self.scale[:, None]
+        n, g = self.d.shape
+        w = self.u.view(n, g, GROUP).float() * self.d[..., None] + self.m[..., None]
+        return w.view(n, g * GROUP)[:, :self.k]
 
     @classmethod
     def from_int8(cls, q: torch.Tensor, scale: torch.Tensor) -> GroupedInt8:
-        """Per-row symmetric int8 (q [n, k], scale [n]) in this form, exactly: u = q + 128, a = 1, b = -128."""
+        """Per-row symmetric int8 (q [n, k], scale [n]) in this form: u = q + 128, d = scale, m = -128 * scale."""
         n, k = q.shape
         g = -(-k // GROUP)
         u = torch.nn.functional.pad(q.short() + 128, (0, g * GROUP - k)).to(torch.uint8)
-        return cls(u, torch.ones(n, g, dtype=torch.int16), torch.full((n, g), -128, dtype=torch.int16),
-                   scale.float().contiguous(), k)
+        d = scale.float()[:, None].expand(n, g).contiguous()
+        return cls(u, d, -128 * d, k)
 
 
-def quantize(weight: torch.Tensor, steps: int = STEPS) -> GroupedInt8:
-    """weight [n, k] float -> GroupedInt8. A group's step is scale * a >= its range / 255 (a rounded up, so its
-    256 levels cover it), its offset scale * b its minimum rounded to the row's grid; scale is at least
-    max|w| / (32767 - 510), so that no a * u + b leaves int16 (|b| <= max|w| / scale + 1/2, and
-    b + 255 a <= max / scale + 255.5; a * u alone may pass it: the kernel's int16 arithmetic wraps, and the sum
-    comes back in range)."""
+def quantize(weight: torch.Tensor) -> GroupedInt8:
+    """weight [n, k] float -> GroupedInt8: per group, m its minimum and d its range / 255 (0 for a constant group)."""
     w = weight.detach().float()
     n, k = w.shape
     g = -(-k // GROUP)
     groups = torch.nn.functional.pad(w, (0, g * GROUP - k)).view(n, g, GROUP)
     lo, hi = groups.amin(2), groups.amax(2)
-    widest, amax = (hi - lo).amax(1), w.abs().amax(1)
-    scale = torch.maximum(widest / (255 * steps), amax / (INT16 - 2 * 255))
-    scale = torch.where(scale > 0, scale, 1.0)
-    a = torch.ceil((hi - lo) / (255 * scale[:, None])).clamp_(1, steps)
-    b = torch.round(lo / scale[:, None])
-    u = torch.round((groups / scale[:, None, None] - b[..., None]) / a[..., None]).clamp_(0, 255)
-    assert torch.maximum(b.abs(), (b + 255 * a).abs()).max() <= INT16  # every a * u + b lies between the two
-    return GroupedInt8(u.view(n, g * GROUP).to(torch.uint8), a.to(torch.int16), b.to(torch.int16), scale, k)
+    d = (hi - lo) / 255
+    u = ((groups - lo[..., None]) / torch.where(d > 0, d, 1.0)[..., None]).round_().clamp_(0, 255)
+    return GroupedInt8(u.view(n, g * GROUP).to(torch.uint8), d, lo, k)
 
 
 def pack(u: torch.Tensor) -> torch.Tensor:
@@ -113,32 +96,29 @@ def pack(u: torch.Tensor) -> torch.Tensor:
     return padded.view(padded.shape[0] // 4, 4, kp // 16, 16).transpose(1, 2).contiguous()
 
 
-def pack_steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a, b [N, G] int16 as the kernel reads them beside `pack`'s groups: [ceil(N / 4), G, 4, 2]."""
-    ab = torch.nn.functional.pad(torch.stack([a, b], dim=2), (0, 0, 0, 0, 0, -a.shape[0] % 4))
-    return ab.view(ab.shape[0] // 4, 4, a.shape[1], 2).transpose(1, 2).contiguous()
+def pack_steps(d: torch.Tensor) -> torch.Tensor:
+    """d [N, G] as the kernel reads it beside `pack`'s groups: [ceil(N / 4), G, 4]."""
+    padded = torch.nn.functional.pad(d.float(), (0, 0, 0, -d.shape[0] % 4))
+    return padded.view(padded.shape[0] // 4, 4, d.shape[1]).transpose(1, 2).contiguous()
 
 
-def activation_max(w: GroupedInt8) -> int:
-    """The largest |activation| the kernel quantizes to (int16's, unless a lane's int32 sum could overflow:
-    a lane adds the products of every 16th pair of k, at most xmax * sum |a * u + b| over them)."""
-    ints = torch.nn.functional.pad(w.integers().abs_(), (0, -w.k % 16)).view(w.n, -1, 8, 2)  # int32 sums fit
-    lane = int(ints.sum(dim=(1, 3)).max()) if w.n else 0
-    return min(INT16, (2**31 - 1) // max(lane, 1))
+def pack_offsets(m: torch.Tensor) -> torch.Tensor:
+    """m [N, G] padded with zeros to [ceil(N / 4) * 4, G rounded up to 8]: a row's offsets are read 8 at a time."""
+    return torch.nn.functional.pad(m.float(), (0, -m.shape[1] % 8, 0, -m.shape[0] % 4)).contiguous()
 
 
 class Matrix:
     """A GroupedInt8 weight (and bias [N] fp32), checked and packed once: `m(x)` = x @ w.T + bias with ~4 us less
-    per call (121 calls in a SmolLM2 decode step). Holds the packed copy only."""
+    per call (121 calls in a SmolLM2 decode step). Holds the packed copies only."""
 
     def __init__(self, w: GroupedInt8, bias: torch.Tensor | None = None):
-        assert w.u.dtype == torch.uint8 and w.a.dtype == w.b.dtype == torch.int16 and w.scale.dtype == torch.float32
+        assert w.u.dtype == torch.uint8 and w.d.dtype == w.m.dtype == torch.float32 and w.u.device.type == "cpu"
         assert bias is None or (bias.dtype == torch.float32 and bias.shape == (w.n,))
-        self.packed, self.ab, self.scale = pack(w.u), pack_steps(w.a, w.b), w.scale.contiguous()
+        self.packed, self.steps, self.offsets = pack(w.u), pack_steps(w.d), pack_offsets(w.m)
         self.bias = None if bias is None else bias.contiguous()
-        self.n, self.k, self.xmax = w.n, w.k, activation_max(w)
-        self._ptrs = (self.packed.data_ptr(), self.ab.data_ptr(), self.scale.data_ptr(),
-                      None if bias is None else self.bias.data_ptr(), self.xmax)
+        self.n, self.k = w.n, w.k
+        self._ptrs = (self.packed.data_ptr(), self.steps.data_ptr(), self.offsets.data_ptr(),
+                      None if bias is None else self.bias.data_ptr())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] fp32 on the CPU -> [M, N] fp32."""
@@ -147,9 +127,9 @@ class Matrix:
             x = x.contiguous()
         out = torch.empty(x.shape[0], self.n)
         if x.shape[0]:
-            packed, ab, scale, bias, xmax = self._ptrs
-            if KERNEL.lib.dl_int8_linear(x.data_ptr(), x.stride(0), x.shape[0], self.k, packed, ab, scale, bias,
-                                         out.data_ptr(), self.n, xmax):
+            packed, steps, offsets, bias = self._ptrs
+            if KERNEL.lib.dl_int8_linear(x.data_ptr(), x.stride(0), x.shape[0], self.k, packed, steps, offsets, bias,
+                                         out.data_ptr(), self.n):
                 raise MemoryError("cpu_int8: no memory for the int16 copy of the activations")
         return out
 

@@ -223,13 +223,13 @@ class Int8Weight:
         self.out_features = weight.shape[0]
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.packed = self.matrix = self.grouped = None
-        self.group_bytes = 0  # beyond one int8 a weight and one fp32 scale a row
+        self.group_bytes = 0  # beyond one int8 a weight and its scales (`scale`: per row, or per group)
         if kernel == "fbgemm":  # fbgemm keeps its own packed copy of q
             q, self.scale = quantize_weight(weight, QMAX[kernel])
             self.packed = _fbgemm_pack(q, self.scale)
             return
         grouped = cpu_int8.quantize(weight)  # avx2, dequant: 8-bit codes in groups of 32 (GroupedInt8)
-        self.scale, self.group_bytes = grouped.scale, grouped.a.nbytes + grouped.b.nbytes
+        self.scale, self.group_bytes = grouped.d, grouped.m.nbytes  # a step and an offset per group
         if kernel == "avx2":
             self.matrix = cpu_int8.Matrix(grouped, self.bias)  # holds the packed copy only
         else:
