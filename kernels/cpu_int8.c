@@ -1,24 +1,26 @@
 /* grouped 8-bit weights x int16-quantized activations on x86 CPUs with AVX2: y = x @ w.T (+ bias).
 
-   w [N, K] comes as kernels/cpu_int8.py `GroupedInt8`: w[n, k] = scale[n] * (a[n, g] * u[n, k] + b[n, g]),
-   g = k / 32, u uint8, a (1..64) and b int16 per group of 32 weights, one fp32 scale per output row, every
-   a * u + b an int16. Each group's 256 levels span its own [min, max] (asymmetric, like llama.cpp's Q4_1 blocks):
-   per-row symmetric int8, the format before, cost SmolLM2 up to 0.26 nats on a continuation's log-likelihood
-   and 1% perplexity (docs/kernels.md). x [M, K] and y [M, N] are fp32, row-major. Each row of x is first
-   quantized to int16 on its own scale (max |x| -> xmax, round to nearest even: a relative error of ~1.5e-5), so
-   products and their sums are exact integers: each 16-weight load is widened to int16 and turned into a * u + b
-   (vpmullw, vpaddw), and vpmaddwd multiplies 16 int16 pairs and adds neighbours into 8 int32 lanes. An output is
-   its lanes' sum (in float, one fixed order for every block) times the row's and the weight row's scales, so a row
-   gives the same bits alone or in any batch, whichever block computes it. xmax is int16's unless a lane's int32
-   sum could overflow (the caller bounds it from the weight's integers).
+   w [N, K] comes as kernels/cpu_int8.py `GroupedInt8`: w[n, k] = d[n, g] * u[n, k] + m[n, g], g = k / 32, u
+   uint8, an fp32 step d and offset m per group of 32 weights: each group's 256 levels span its own [min, max]
+   (asymmetric, like llama.cpp's Q4_1 blocks, whose 16 levels it keeps exactly). Per-row symmetric int8, the format
+   before, cost SmolLM2 up to 0.25 nats on a continuation's log-likelihood and +1% perplexity; integer steps and
+   offsets on a per-row grid (kept in integer sums) still 0.10 nats (docs/kernels.md). x [M, K] and y [M, N] are
+   fp32, row-major. Each row of x is first quantized to int16 on its own scale (max |x| -> 32767, round to nearest
+   even: a relative error of ~1.5e-5) and summed per group. Per group and output, vpmaddwd multiplies 16 int16
+   pairs (x, u zero-extended) and adds neighbours into 8 int32 lanes over the group's two 16-wide k-steps (at most
+   4 * 32767 * 255 a lane: no overflow at any K); the lanes go to fp32 and are added times d (one FMA). After the
+   last group, the offsets' term (each m times the row's group sum, 8 groups a step) joins the lanes, the lanes
+   are summed in one fixed order, and the row's scale applied. Every output goes through the same operations
+   whichever block computes it, so a row gives the same bits alone or in any batch.
 
    u comes packed (kernels/cpu_int8.py `pack`): groups of 4 output rows, K padded with zeros to a multiple of 32,
    and within a group the 4 rows' 16-byte pieces of each 16-wide k-step side by side, so a block reads its group
    as one sequential stream of 64-byte lines (one prefetch a line; the 4 separate row streams this replaced
    needed one a row and left the 1-row matmuls of a SmolLM2 step at 12.3 ms instead of 8.5 on the AVX2 target);
-   (a, b) come beside it, 4 rows' pairs per 32 k (`pack_steps`). Blocks of up to 4 rows x 4 (or 2) outputs keep
-   their accumulators in registers; OpenMP splits the groups between threads (the process's OpenMP runtime:
-   PyTorch's libgomp, already loaded, so torch.set_num_threads applies). Built and loaded by kernels/cpu_int8.py. */
+   the steps come beside it, 4 rows' per 32 k (`pack_steps`), the offsets a row at a time (`pack_offsets`).
+   Blocks of up to 4 rows x 4 (or 2) outputs keep their accumulators in registers; OpenMP splits the groups
+   between threads (the process's OpenMP runtime: PyTorch's libgomp, already loaded, so torch.set_num_threads
+   applies). Built and loaded by kernels/cpu_int8.py. */
 #include <immintrin.h>
 #include "cpu_simd.h"
 #include <math.h>

@@ -1,21 +1,21 @@
 """8-bit weight x int16-quantized activation matmul for x86 CPUs with AVX2 (`cpu_int8.c`), built on first use.
 
-The weights are 8-bit codes in groups of 32 along K, each group with its own integer step and offset on a per-row
-grid (`GroupedInt8`, `quantize`): a group's 256 levels span its own [min, max], as llama.cpp's Q4_1 / Q5_1 blocks
-do. Per-row symmetric int8, the format before, moved SmolLM2's continuation log-likelihoods by up to 0.26 nats and
-its perplexity by up to +1% with exact activations; grouped symmetric int8 (Q8_0's form) still 0.09 nats; the
-asymmetric groups 0.03 (docs/kernels.md).
+The weights are 8-bit codes in groups of 32 along K, each group with its own fp32 step and offset (`GroupedInt8`,
+`quantize`): a group's 256 levels span its own [min, max], as llama.cpp's Q4_1 / Q5_1 blocks do, so SmolLM2's
+Q4_1 weights (16 levels a group) are kept exactly. On SmolLM2-135M (docs/kernels.md) per-row symmetric int8, the
+format before, moved continuation log-likelihoods by up to 0.25 nats and perplexity by up to +1.0% even with
+exact activations; symmetric groups of 32 (Q8_0's form) still 0.09 nats; integer steps and offsets on a per-row
+grid (all-integer sums) 0.10 nats in the engine; this format 0.022.
 
 Why our own kernel: for the 1-11 rows of a decode step PyTorch's choices were either slow or lossy on the
 2-core AVX2 target. fbgemm's int8 path quantizes the activations to 8 bits (weights limited to 7 bits by AVX2's
 int16 pair sums), which needs SmoothQuant and fails on the outlier-heavy inputs of down_proj and the LM head, and
 pays ~60 us of its own per call at one row; fp16 weights move twice int8's bytes; `_weight_int8pack_mm` and
 `_weight_int4pack_mm_for_cpu` have no fast AVX2 path (2-65x and ~10x slower than fp32). This kernel quantizes
-each activation row to int16 (a relative error of ~1.5e-5, nothing to calibrate) and multiplies it by 8-bit
-weights in integers (vpmaddwd), reading each weight byte from memory once per call; the weights are packed at
-load time (`pack`) so that each group of 4 output rows is one sequential stream (docs/kernels.md has the
-measurements). An earlier version kept the activations in fp32 and widened the weights to fp32 for FMA: the same
-results within int16's rounding, at ~1.5x the time for 8 rows.
+each activation row to int16 (a relative error of ~1.5e-5, nothing to calibrate) and multiplies it by the 8-bit
+codes in integers (vpmaddwd), one fp32 multiply-add per group of 32, reading each weight byte from memory once per
+call; the weights are packed at load time (`pack`) so that each group of 4 output rows is one sequential stream
+(docs/kernels.md has the measurements).
 
 The first call (`unavailable()` or `linear()`) compiles `cpu_int8.c` (kernels/_cbuild.py: the system C compiler,
 -O3 -mavx2 -mfma -fopenmp, into `$DECODELAB_CACHE_DIR/kernels`, once per source version). `unavailable()` says

@@ -4,13 +4,15 @@ Three kernels, `int8_kernel` picks one:
 
 - "avx2" (x86 CPUs with AVX2 and a C compiler: the CPU default; DECODELAB_INT8_KERNEL=avx2 insists on it):
   our own kernel (kernels/cpu_int8.c, built on first use) for every matmul and the LM head, prompt and generated
-  rows alike. Weights are 8-bit codes in groups of 32 along K, each group with its own integer step and offset on
-  a per-row grid (kernels/cpu_int8.py `GroupedInt8`, `quantize`: a group's 256 levels span its own [min, max]);
-  activations are quantized per row to int16 inside the call; products and sums are integers (vpmaddwd), nothing
-  is calibrated, and each row's result is independent of the others of its step. Measured on SmolLM2-135M
+  rows alike. Weights are 8-bit codes in groups of 32 along K, each group with its own fp32 step and offset
+  (kernels/cpu_int8.py `GroupedInt8`, `quantize`: a group's 256 levels span its own [min, max]); activations are
+  quantized per row to int16 inside the call; products and a group's sums are integers (vpmaddwd), nothing is
+  calibrated, and each row's result is independent of the others of its step. Measured on SmolLM2-135M
   (docs/kernels.md, `decodelab bench quality`): the fbgemm mix below, the default before, moved continuation
-  log-likelihoods by up to 0.80 nats and perplexity by up to +3.0%: its 8-bit activations on prompt rows and
-  per-row weight scales both cost. Prefill runs ~1.5x slower on the q/k/v and gate/up matmuls than fbgemm's.
+  log-likelihoods by up to 0.80 nats and perplexity by up to +3.0% (its 8-bit prompt activations and per-row
+  weight scales both cost); this kernel 0.022 nats and at most +0.09%. The price is prefill speed: the q/k/v and
+  gate/up matmuls of prompt rows ran ~1.5x faster through fbgemm, and the fp32 step per group costs ~1.3x at 64
+  rows against per-row scales.
 - "fbgemm" (x86 CPUs with AVX2 or better where our kernel does not build, or DECODELAB_INT8_KERNEL=fbgemm; with a C
   compiler it runs only prompt tokens' q/k/v and gate/up, and the avx2 kernel the rest: `projection_kernels`,
   `RowSplitWeight`): weights (per-row scales) and activations in int8 through PyTorch's quantized engine (fbgemm).
