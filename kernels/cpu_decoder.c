@@ -9,8 +9,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-typedef int (*int8_linear_fn)(const float* x, int64_t ldx, int64_t M, int64_t K, const int8_t* wp, const float* scale,
-                              const float* bias, float* y, int64_t N);
+typedef int (*int8_linear_fn)(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* wp, const float* dp,
+                              const float* mp, const float* bias, float* y, int64_t N);
 typedef void (*rms_norm_fn)(const float* x, int64_t ldx, const float* h, float* s, const float* w, float* y,
                             int64_t M, int64_t N, float eps);
 typedef void (*rope_fn)(float* x, int64_t ldx, int64_t M, int64_t heads, int64_t D, const float* cos,
@@ -33,7 +33,7 @@ typedef struct {
 } dl_ops;
 
 /* one int8 matmul as cpu_int8.Matrix holds it */
-typedef struct { const int8_t* packed; const float* scale; const float* bias; } dl_matrix;
+typedef struct { const uint8_t* packed; const float* steps; const float* offsets; const float* bias; } dl_matrix;
 
 typedef struct {
     const float* input_norm;
@@ -62,19 +62,20 @@ int dl_decode_layers(const dl_ops* ops, const dl_shape* s, const dl_layer* layer
     float *gu = sum + M * H, *act = gu + M * 2 * I;
     float* down = o;  /* o is dead once the residual add has read it */
     int err = 0;
+#define LINEAR(x, ldx, K, m, y, N) ops->int8_linear(x, ldx, M, K, (m).packed, (m).steps, (m).offsets, (m).bias, y, N)
     for (int64_t l = 0; l < s->layers && !err; l++) {
         const dl_layer* L = layers + l;
         ops->rms_norm(x, H, 0, x, L->input_norm, h, M, H, s->eps);
-        err |= ops->int8_linear(h, H, M, H, L->qkv.packed, L->qkv.scale, L->qkv.bias, qkv, NQKV);
+        err |= LINEAR(h, H, H, L->qkv, qkv, NQKV);
         ops->rope(qkv, NQKV, M, s->heads + s->kv_heads, D, cos, ssin);
         ops->store_kv(qkv + Q, NQKV, qkv + Q + KV, NQKV, M, KV, slots, L->k_cache, L->v_cache);
         ops->paged_decode(qkv, NQKV, M, s->heads, s->kv_heads, D, L->k_cache, L->v_cache, 0, 0, 0, block_tables,
                           ldbt, context_lens, s->block_size, s->scale, att);
-        err |= ops->int8_linear(att, Q, M, Q, L->o.packed, L->o.scale, L->o.bias, o, H);
+        err |= LINEAR(att, Q, Q, L->o, o, H);
         ops->rms_norm(x, H, o, sum, L->post_norm, h, M, H, s->eps);  /* sum = x + o; h = its norm */
-        err |= ops->int8_linear(h, H, M, H, L->gate_up.packed, L->gate_up.scale, L->gate_up.bias, gu, 2 * I);
+        err |= LINEAR(h, H, H, L->gate_up, gu, 2 * I);
         ops->silu_mul(gu, 2 * I, M, I, act);
-        err |= ops->int8_linear(act, I, M, I, L->down.packed, L->down.scale, L->down.bias, down, H);
+        err |= LINEAR(act, I, I, L->down, down, H);
         for (int64_t i = 0; i < M * H; i++) x[i] = sum[i] + down[i];
     }
     free(buf);

@@ -20,7 +20,7 @@ class Ops(ctypes.Structure):
 
 
 class MatrixPtrs(ctypes.Structure):
-    _fields_ = [("packed", _p), ("scale", _p), ("bias", _p)]
+    _fields_ = [("packed", _p), ("steps", _p), ("offsets", _p), ("bias", _p)]
 
 
 class Layer(ctypes.Structure):

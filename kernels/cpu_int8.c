@@ -1,16 +1,23 @@
-/* int8 weights x int16-quantized activations on x86 CPUs with AVX2: y = (x @ q.T) * scale (+ bias).
+/* grouped 8-bit weights x int16-quantized activations on x86 CPUs with AVX2: y = x @ w.T (+ bias).
 
-   q is [N, K] int8 with one fp32 scale per output row (weight-only int8, |q| <= 127); x [M, K] and y [M, N] are
-   fp32, row-major. Each row of x is first quantized to int16 on its own scale (max |x| -> XMAX, round to nearest
-   even: a relative error of ~1.5e-5, far below the int8 weight's ~4e-3), so products and their sums are exact
-   integers: vpmaddwd multiplies 16 int16 pairs and adds neighbours into 8 int32 lanes. An output is its lanes'
-   sum (in float, one fixed order for every block) times the row's and the weight row's scales, so a row gives the
-   same bits alone or in any batch, whichever block computes it.
+   w [N, K] comes as kernels/cpu_int8.py `GroupedInt8`: w[n, k] = d[n, g] * u[n, k] + m[n, g], g = k / 32, u
+   uint8, an fp32 step d and offset m per group of 32 weights: each group's 256 levels span its own [min, max]
+   (asymmetric, like llama.cpp's Q4_1 blocks, whose 16 levels it keeps exactly). Per-row symmetric int8, the format
+   before, cost SmolLM2 up to 0.25 nats on a continuation's log-likelihood and +1% perplexity; integer steps and
+   offsets on a per-row grid (kept in integer sums) still 0.10 nats (docs/kernels.md). x [M, K] and y [M, N] are
+   fp32, row-major. Each row of x is first quantized to int16 on its own scale (max |x| -> 32767, round to nearest
+   even: a relative error of ~1.5e-5) and summed per group. Per group and output, vpmaddwd multiplies 16 int16
+   pairs (x, u zero-extended) and adds neighbours into 8 int32 lanes over the group's two 16-wide k-steps (at most
+   4 * 32767 * 255 a lane: no overflow at any K); the lanes go to fp32 and are added times d (one FMA). After the
+   last group, the offsets' term (each m times the row's group sum, 8 groups a step) joins the lanes, the lanes
+   are summed in one fixed order, and the row's scale applied. Every output goes through the same operations
+   whichever block computes it, so a row gives the same bits alone or in any batch.
 
-   q comes packed (kernels/cpu_int8.py `pack`): groups of 4 output rows, K padded with zeros to a multiple of 16,
+   u comes packed (kernels/cpu_int8.py `pack`): groups of 4 output rows, K padded with zeros to a multiple of 32,
    and within a group the 4 rows' 16-byte pieces of each 16-wide k-step side by side, so a block reads its group
    as one sequential stream of 64-byte lines (one prefetch a line; the 4 separate row streams this replaced
-   needed one a row and left the 1-row matmuls of a SmolLM2 step at 12.3 ms instead of 8.5 on the AVX2 target).
+   needed one a row and left the 1-row matmuls of a SmolLM2 step at 12.3 ms instead of 8.5 on the AVX2 target);
+   the steps come beside it, 4 rows' per 32 k (`pack_steps`), the offsets a row at a time (`pack_offsets`).
    Blocks of up to 4 rows x 4 (or 2) outputs keep their accumulators in registers; OpenMP splits the groups
    between threads (the process's OpenMP runtime: PyTorch's libgomp, already loaded, so torch.set_num_threads
    applies). Built and loaded by kernels/cpu_int8.py. */
@@ -20,17 +27,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-/* the largest |activation| after quantization: int16's, unless K is so long that a lane's int32 sum of K / 8
-   products (each <= 127 * xmax) could overflow */
-static int32_t xmax_for(int64_t K) {
-    double bound = 2147483647.0 * 8.0 / (127.0 * (double)(K > 0 ? K : 1));
-    return bound >= 32767.0 ? 32767 : (int32_t)bound;
-}
-
-/* row i of x to int16 on the grid max|x_i| / xmax, zero-padded to Kp; xs[i] the step (NaN for a row with a NaN
-   or inf, so its outputs are NaN as fp32 sums would be) */
-static void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t Kp, int16_t* xq, float* xs) {
-    const float xmax = (float)xmax_for(K);
+/* row i of x to int16 on the grid max|x_i| / 32767, zero-padded to Kp; xs[i] the step (NaN for a row with a NaN
+   or inf, so its outputs are NaN as fp32 sums would be); xsum[i][j] the sum of its j-th 32 (exact in fp32, zero
+   from G up to Gp) */
+static void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t Kp, int64_t Gp, int16_t* xq,
+                          float* xs, float* xsum) {
+    const float xmax = 32767.0f;
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (int64_t i = 0; i < M; i++) {
         const float* r = x + i * ldx;
@@ -62,68 +64,100 @@ static void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int
         }
         for (; k < K; k++) o[k] = (int16_t)lrintf(r[k] * inv);
         for (; k < Kp; k++) o[k] = 0;
+        for (int64_t j = 0; j < Gp; j++) {
+            int32_t t = 0;
+            for (int64_t e = 0; j * 32 < Kp && e < 32; e++) t += o[j * 32 + e];
+            xsum[i * Gp + j] = (float)t;
+        }
     }
 }
 
-/* 16 weights of a packed k-step, widened to int16 */
-static inline __m256i wl(const int8_t* p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p)); }
+/* 16 weights of a packed k-step, zero-extended to int16 */
+static inline __m256i wl(const uint8_t* p) { return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p)); }
 static inline __m256i xl(const int16_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
-
-/* a += x . w pairwise (vector extension add: GCC then keeps each accumulator in one register) */
-typedef int v8si __attribute__((vector_size(32)));
-#define MADD(a, x, w) a = (__m256i)((v8si)(a) + (v8si)_mm256_madd_epi16(x, w))
+/* one output's integer sum over a weight group (two k-steps, 64 bytes apart in the stream): xa . w + xb . w', in
+   8 int32 lanes (at most 4 * 32767 * 255 each: no overflow) */
+static inline __m256i gsum(__m256i xa, __m256i xb, const uint8_t* w) {
+    return _mm256_add_epi32(_mm256_madd_epi16(xa, wl(w)), _mm256_madd_epi16(xb, wl(w + 64)));
+}
+/* f += float(sum) * the group's step: the one float operation per group and accumulator, in every block */
+#define FOLD(f, sum, d) f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_broadcast_ss(&(d)), f)
 /* Pins accumulators to registers across the loop: without it GCC 12 adds into a temporary and copies it back
-   (a move per multiply-add) or spills one to the stack; with it the 4x2 block's k-step takes ~5.4 cycles on Zen 3
-   instead of ~6.4. */
+   (a move per multiply-add) or spills one to the stack. */
 #define PIN4(a, b, c, d) __asm__("" : "+x"(a), "+x"(b), "+x"(c), "+x"(d))
 #define PIN2(a, b) __asm__("" : "+x"(a), "+x"(b))
 
-/* the lane sums of 4 accumulators [s0 s1 s2 s3], in float, each in the same fixed order */
-static inline __m128 reduce4(__m256i a0, __m256i a1, __m256i a2, __m256i a3) {
-    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(_mm256_cvtepi32_ps(a0), _mm256_cvtepi32_ps(a1)),
-                              _mm256_hadd_ps(_mm256_cvtepi32_ps(a2), _mm256_cvtepi32_ps(a3)));
+/* f += the offsets' term, sum over groups of offset * the row's group sum (8 groups a step, in order) */
+static inline __m256 offsets(__m256 f, const float* xsum, const float* m, int64_t Gp) {
+    for (int64_t j = 0; j < Gp; j += 8) f = _mm256_fmadd_ps(_mm256_loadu_ps(xsum + j), _mm256_loadu_ps(m + j), f);
+    return f;
+}
+
+/* the lane sums of 4 accumulators [s0 s1 s2 s3], each in the same fixed order */
+static inline __m128 reduce4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-/* The blocks: rows of xq (Kp apart) times a packed group g, over Kp / 16 k-steps of 64 bytes. Each is written out
-   with named accumulators: one generic block over arrays (tried) spilled them and ran 4 rows ~1.4x slower. s[i][j]: lane sums
-   of row i and output j (of the 2 at g for the x2 blocks). Each k-step prefetches `ahead` bytes on. */
-static void block_1x4(const int16_t* x, int64_t Kp, const int8_t* g, int64_t ahead, float s[4][4]) {
-    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
-    for (int64_t k = 0; k < Kp; k += 16, g += 64) {
+/* The blocks: rows of xq (Kp apart; their group sums Gp apart in xsum) times a packed group g, over Kp / 32 weight
+   groups of two 64-byte k-steps. d: the steps of the 4 rows of g, 4 a group (the x2 blocks read the first two);
+   m: the offsets of the first output row, Gp apart. Each is written out with named accumulators: one generic block
+   over arrays (tried) spilled them and ran 4 rows ~1.4x slower. s[i][j]: row i, output j (of the 2 at g for the
+   x2 blocks). Each k-step prefetches `ahead` bytes on. */
+static void block_1x4(const int16_t* x, const float* xsum, int64_t Kp, int64_t Gp, const uint8_t* g, const float* d,
+                      const float* m, int64_t ahead, float s[4][4]) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t k = 0; k < Kp; k += 32, g += 128, d += 4) {
         _mm_prefetch((const char*)g + ahead, _MM_HINT_T0);
-        __m256i x0 = xl(x + k);
-        MADD(a0, x0, wl(g)); MADD(a1, x0, wl(g + 16)); MADD(a2, x0, wl(g + 32)); MADD(a3, x0, wl(g + 48));
+        _mm_prefetch((const char*)g + 64 + ahead, _MM_HINT_T0);
+        __m256i xa = xl(x + k), xb = xl(x + k + 16);
+        FOLD(a0, gsum(xa, xb, g), d[0]); FOLD(a1, gsum(xa, xb, g + 16), d[1]);
+        FOLD(a2, gsum(xa, xb, g + 32), d[2]); FOLD(a3, gsum(xa, xb, g + 48), d[3]);
         PIN4(a0, a1, a2, a3);
     }
+    a0 = offsets(a0, xsum, m, Gp); a1 = offsets(a1, xsum, m + Gp, Gp);
+    a2 = offsets(a2, xsum, m + 2 * Gp, Gp); a3 = offsets(a3, xsum, m + 3 * Gp, Gp);
     _mm_storeu_ps(s[0], reduce4(a0, a1, a2, a3));
 }
 
-static void block_2x4(const int16_t* x, int64_t Kp, const int8_t* g, int64_t ahead, float s[4][4]) {
-    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-    for (int64_t k = 0; k < Kp; k += 16, g += 64) {
+static void block_2x4(const int16_t* x, const float* xsum, int64_t Kp, int64_t Gp, const uint8_t* g, const float* d,
+                      const float* m, int64_t ahead, float s[4][4]) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    for (int64_t k = 0; k < Kp; k += 32, g += 128, d += 4) {
         _mm_prefetch((const char*)g + ahead, _MM_HINT_T0);
-        __m256i x0 = xl(x + k), x1 = xl(x + Kp + k), w = wl(g);
-        MADD(a0, x0, w); MADD(b0, x1, w);
-        w = wl(g + 16); MADD(a1, x0, w); MADD(b1, x1, w);
-        w = wl(g + 32); MADD(a2, x0, w); MADD(b2, x1, w);
-        w = wl(g + 48); MADD(a3, x0, w); MADD(b3, x1, w);
+        _mm_prefetch((const char*)g + 64 + ahead, _MM_HINT_T0);
+        __m256i xa = xl(x + k), xb = xl(x + k + 16), ya = xl(x + Kp + k), yb = xl(x + Kp + k + 16);
+        FOLD(a0, gsum(xa, xb, g), d[0]); FOLD(b0, gsum(ya, yb, g), d[0]);
+        FOLD(a1, gsum(xa, xb, g + 16), d[1]); FOLD(b1, gsum(ya, yb, g + 16), d[1]);
+        FOLD(a2, gsum(xa, xb, g + 32), d[2]); FOLD(b2, gsum(ya, yb, g + 32), d[2]);
+        FOLD(a3, gsum(xa, xb, g + 48), d[3]); FOLD(b3, gsum(ya, yb, g + 48), d[3]);
         PIN4(a0, a1, a2, a3); PIN4(b0, b1, b2, b3);
     }
+    a0 = offsets(a0, xsum, m, Gp); a1 = offsets(a1, xsum, m + Gp, Gp);
+    a2 = offsets(a2, xsum, m + 2 * Gp, Gp); a3 = offsets(a3, xsum, m + 3 * Gp, Gp);
+    b0 = offsets(b0, xsum + Gp, m, Gp); b1 = offsets(b1, xsum + Gp, m + Gp, Gp);
+    b2 = offsets(b2, xsum + Gp, m + 2 * Gp, Gp); b3 = offsets(b3, xsum + Gp, m + 3 * Gp, Gp);
     _mm_storeu_ps(s[0], reduce4(a0, a1, a2, a3));
     _mm_storeu_ps(s[1], reduce4(b0, b1, b2, b3));
 }
 
-static void block_3x2(const int16_t* x, int64_t Kp, const int8_t* g, int64_t ahead, float s[4][4]) {
-    __m256i a0 = _mm256_setzero_si256(), a1 = a0, b0 = a0, b1 = a0, c0 = a0, c1 = a0;
-    for (int64_t k = 0; k < Kp; k += 16, g += 64) {
+static void block_3x2(const int16_t* x, const float* xsum, int64_t Kp, int64_t Gp, const uint8_t* g, const float* d,
+                      const float* m, int64_t ahead, float s[4][4]) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, c0 = a0, c1 = a0;
+    for (int64_t k = 0; k < Kp; k += 32, g += 128, d += 4) {
         _mm_prefetch((const char*)g + ahead, _MM_HINT_T0);
-        __m256i w0 = wl(g), w1 = wl(g + 16), xv = xl(x + k);
-        MADD(a0, xv, w0); MADD(a1, xv, w1);
-        xv = xl(x + Kp + k); MADD(b0, xv, w0); MADD(b1, xv, w1);
-        xv = xl(x + 2 * Kp + k); MADD(c0, xv, w0); MADD(c1, xv, w1);
+        _mm_prefetch((const char*)g + 64 + ahead, _MM_HINT_T0);
+        __m256i xa = xl(x + k), xb = xl(x + k + 16);
+        FOLD(a0, gsum(xa, xb, g), d[0]); FOLD(a1, gsum(xa, xb, g + 16), d[1]);
+        xa = xl(x + Kp + k); xb = xl(x + Kp + k + 16);
+        FOLD(b0, gsum(xa, xb, g), d[0]); FOLD(b1, gsum(xa, xb, g + 16), d[1]);
+        xa = xl(x + 2 * Kp + k); xb = xl(x + 2 * Kp + k + 16);
+        FOLD(c0, gsum(xa, xb, g), d[0]); FOLD(c1, gsum(xa, xb, g + 16), d[1]);
         PIN4(a0, a1, b0, b1); PIN2(c0, c1);
     }
+    a0 = offsets(a0, xsum, m, Gp); a1 = offsets(a1, xsum, m + Gp, Gp);
+    b0 = offsets(b0, xsum + Gp, m, Gp); b1 = offsets(b1, xsum + Gp, m + Gp, Gp);
+    c0 = offsets(c0, xsum + 2 * Gp, m, Gp); c1 = offsets(c1, xsum + 2 * Gp, m + Gp, Gp);
     float t[4];
     _mm_storeu_ps(s[0], reduce4(a0, a1, b0, b1));
     s[1][0] = s[0][2]; s[1][1] = s[0][3];
@@ -131,69 +165,84 @@ static void block_3x2(const int16_t* x, int64_t Kp, const int8_t* g, int64_t ahe
     s[2][0] = t[0]; s[2][1] = t[1];
 }
 
-static void block_4x2(const int16_t* x, int64_t Kp, const int8_t* g, int64_t ahead, float s[4][4]) {
-    __m256i a0 = _mm256_setzero_si256(), a1 = a0, b0 = a0, b1 = a0, c0 = a0, c1 = a0, d0 = a0, d1 = a0;
-    for (int64_t k = 0; k < Kp; k += 16, g += 64) {
+static void block_4x2(const int16_t* x, const float* xsum, int64_t Kp, int64_t Gp, const uint8_t* g, const float* d,
+                      const float* m, int64_t ahead, float s[4][4]) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, c0 = a0, c1 = a0, e0 = a0, e1 = a0;
+    for (int64_t k = 0; k < Kp; k += 32, g += 128, d += 4) {
         _mm_prefetch((const char*)g + ahead, _MM_HINT_T0);
-        __m256i w0 = wl(g), w1 = wl(g + 16), xv = xl(x + k);
-        MADD(a0, xv, w0); MADD(a1, xv, w1);
-        xv = xl(x + Kp + k); MADD(b0, xv, w0); MADD(b1, xv, w1);
-        xv = xl(x + 2 * Kp + k); MADD(c0, xv, w0); MADD(c1, xv, w1);
-        xv = xl(x + 3 * Kp + k); MADD(d0, xv, w0); MADD(d1, xv, w1);
-        PIN4(a0, a1, b0, b1); PIN4(c0, c1, d0, d1);
+        _mm_prefetch((const char*)g + 64 + ahead, _MM_HINT_T0);
+        __m256i xa = xl(x + k), xb = xl(x + k + 16);
+        FOLD(a0, gsum(xa, xb, g), d[0]); FOLD(a1, gsum(xa, xb, g + 16), d[1]);
+        xa = xl(x + Kp + k); xb = xl(x + Kp + k + 16);
+        FOLD(b0, gsum(xa, xb, g), d[0]); FOLD(b1, gsum(xa, xb, g + 16), d[1]);
+        xa = xl(x + 2 * Kp + k); xb = xl(x + 2 * Kp + k + 16);
+        FOLD(c0, gsum(xa, xb, g), d[0]); FOLD(c1, gsum(xa, xb, g + 16), d[1]);
+        xa = xl(x + 3 * Kp + k); xb = xl(x + 3 * Kp + k + 16);
+        FOLD(e0, gsum(xa, xb, g), d[0]); FOLD(e1, gsum(xa, xb, g + 16), d[1]);
+        PIN4(a0, a1, b0, b1); PIN4(c0, c1, e0, e1);
     }
+    a0 = offsets(a0, xsum, m, Gp); a1 = offsets(a1, xsum, m + Gp, Gp);
+    b0 = offsets(b0, xsum + Gp, m, Gp); b1 = offsets(b1, xsum + Gp, m + Gp, Gp);
+    c0 = offsets(c0, xsum + 2 * Gp, m, Gp); c1 = offsets(c1, xsum + 2 * Gp, m + Gp, Gp);
+    e0 = offsets(e0, xsum + 3 * Gp, m, Gp); e1 = offsets(e1, xsum + 3 * Gp, m + Gp, Gp);
     float t[4];
     _mm_storeu_ps(t, reduce4(a0, a1, b0, b1));
     s[0][0] = t[0]; s[0][1] = t[1]; s[1][0] = t[2]; s[1][1] = t[3];
-    _mm_storeu_ps(t, reduce4(c0, c1, d0, d1));
+    _mm_storeu_ps(t, reduce4(c0, c1, e0, e1));
     s[2][0] = t[0]; s[2][1] = t[1]; s[3][0] = t[2]; s[3][1] = t[3];
 }
 
-typedef void (*block_fn)(const int16_t*, int64_t, const int8_t*, int64_t, float[4][4]);
+typedef void (*block_fn)(const int16_t*, const float*, int64_t, int64_t, const uint8_t*, const float*, const float*,
+                         int64_t, float[4][4]);
 
 /* every row of xq times one group (nb <= 4 real outputs at y, ldy apart by row), in even chunks of at most 4 rows
    (8 -> 4 + 4, 7 -> 4 + 3): 1-2 rows take the group's 4 outputs at once, 3-4 rows 2 at a time (the accumulators
    and operands fit in the 16 ymm registers; the second pass reads the group from L1) */
-static void group(const int16_t* xq, const float* xs, int64_t M, int64_t Kp, const int8_t* g, int64_t ahead,
-                  const float* scale, const float* bias, float* y, int64_t ldy, int64_t nb) {
+static void group(const int16_t* xq, const float* xsum, const float* xs, int64_t M, int64_t Kp, int64_t Gp,
+                  const uint8_t* g, const float* d, const float* m, int64_t ahead, const float* bias, float* y,
+                  int64_t ldy, int64_t nb) {
     static const block_fn by_rows[5] = {0, block_1x4, block_2x4, block_3x2, block_4x2};
-    int64_t chunks = (M + 3) / 4, m = 0;
+    int64_t chunks = (M + 3) / 4, i0 = 0;
     for (int64_t c = 0; c < chunks; c++) {
-        int64_t r = (M - m + (chunks - c) - 1) / (chunks - c);
-        const int16_t* xr = xq + m * Kp;
+        int64_t r = (M - i0 + (chunks - c) - 1) / (chunks - c);
+        const int16_t* xr = xq + i0 * Kp;
+        const float* sr = xsum + i0 * Gp;
         float s[4][4], h[4][4];
-        by_rows[r](xr, Kp, g, ahead, s);
+        by_rows[r](xr, sr, Kp, Gp, g, d, m, ahead, s);
         if (r > 2) {
-            by_rows[r](xr, Kp, g + 32, ahead, h);
+            by_rows[r](xr, sr, Kp, Gp, g + 32, d + 2, m + 2 * Gp, ahead, h);
             for (int64_t i = 0; i < r; i++) { s[i][2] = h[i][0]; s[i][3] = h[i][1]; }
         }
         for (int64_t i = 0; i < r; i++)
             for (int64_t j = 0; j < nb; j++) {
-                float v = s[i][j] * (xs[m + i] * scale[j]);
-                y[(m + i) * ldy + j] = bias ? v + bias[j] : v;
+                float v = s[i][j] * xs[i0 + i];
+                y[(i0 + i) * ldy + j] = bias ? v + bias[j] : v;
             }
-        m += r;
+        i0 += r;
     }
 }
 
-/* wp: q packed, (N + 3) / 4 groups of 4 * Kp bytes, Kp = K rounded up to 16. Returns 0, or -1 when the int16
-   copy of x could not be allocated. */
-int dl_int8_linear(const float* x, int64_t ldx, int64_t M, int64_t K, const int8_t* wp, const float* scale,
-                   const float* bias, float* y, int64_t N) {
-    int64_t Kp = (K + 15) / 16 * 16;
+/* wp: u packed, (N + 3) / 4 groups of 4 * Kp bytes, Kp = K rounded up to 32; dp: the steps, [(N + 3) / 4][Kp / 32][4]
+   fp32; mp: the offsets, [(N + 3) / 4 * 4][Gp] fp32, Gp = Kp / 32 rounded up to 8 (zeros past it)
+   (kernels/cpu_int8.py `Matrix`). Returns 0, or -1 when the int16 copy of x could not be allocated. */
+int dl_int8_linear(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* wp, const float* dp,
+                   const float* mp, const float* bias, float* y, int64_t N) {
+    int64_t Kp = (K + 31) / 32 * 32, Gp = (Kp / 32 + 7) / 8 * 8;
     /* 64-byte aligned (rows are 32 * Kp / 16 bytes long): an activation load never straddles two cache lines, which
        cost ~15% at 4 rows with malloc's 16-byte alignment */
     int16_t* xq = aligned_alloc(64, (size_t)(M * Kp * 2 + 63) / 64 * 64);
-    float* xs = malloc((size_t)M * sizeof(float));
+    float* xs = malloc((size_t)M * (1 + Gp) * sizeof(float));
     if (!xq || !xs) { free(xq); free(xs); return -1; }
-    quantize_rows(x, ldx, M, K, Kp, xq, xs);
+    float* xsum = xs + M;
+    quantize_rows(x, ldx, M, K, Kp, Gp, xq, xs, xsum);
     /* with 3+ rows a group is read twice: prefetch the next group (at least 1 KiB on) so the memory stream goes
        on during the second pass; 1-2 rows read it once, 1 KiB ahead */
     int64_t groups = (N + 3) / 4, ahead = M > 2 && 4 * Kp > 1024 ? 4 * Kp : 1024;
     #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < groups; t++) {
         int64_t n0 = t * 4, nb = N - n0 < 4 ? N - n0 : 4;
-        group(xq, xs, M, Kp, wp + t * 4 * Kp, ahead, scale + n0, bias ? bias + n0 : 0, y + n0, N, nb);
+        group(xq, xsum, xs, M, Kp, Gp, wp + t * 4 * Kp, dp + t * Kp / 8, mp + n0 * Gp, ahead, bias ? bias + n0 : 0,
+              y + n0, N, nb);
     }
     free(xq); free(xs);
     return 0;

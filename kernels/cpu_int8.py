@@ -1,15 +1,21 @@
-"""int8 weight x int16-quantized activation matmul for x86 CPUs with AVX2 (`cpu_int8.c`), built on first use.
+"""8-bit weight x int16-quantized activation matmul for x86 CPUs with AVX2 (`cpu_int8.c`), built on first use.
+
+The weights are 8-bit codes in groups of 32 along K, each group with its own fp32 step and offset (`GroupedInt8`,
+`quantize`): a group's 256 levels span its own [min, max], as llama.cpp's Q4_1 / Q5_1 blocks do, so SmolLM2's
+Q4_1 weights (16 levels a group) are kept exactly. On SmolLM2-135M (docs/kernels.md) per-row symmetric int8, the
+format before, moved continuation log-likelihoods by up to 0.25 nats and perplexity by up to +1.0% even with
+exact activations; symmetric groups of 32 (Q8_0's form) still 0.09 nats; integer steps and offsets on a per-row
+grid (all-integer sums) 0.10 nats in the engine; this format 0.022.
 
 Why our own kernel: for the 1-11 rows of a decode step PyTorch's choices were either slow or lossy on the
 2-core AVX2 target. fbgemm's int8 path quantizes the activations to 8 bits (weights limited to 7 bits by AVX2's
 int16 pair sums), which needs SmoothQuant and fails on the outlier-heavy inputs of down_proj and the LM head, and
 pays ~60 us of its own per call at one row; fp16 weights move twice int8's bytes; `_weight_int8pack_mm` and
 `_weight_int4pack_mm_for_cpu` have no fast AVX2 path (2-65x and ~10x slower than fp32). This kernel quantizes
-each activation row to int16 (a relative error of ~1.5e-5, nothing to calibrate) and multiplies it by 8-bit
-weights in integers (vpmaddwd), reading each weight byte from memory once per call; the weights are packed at
-load time (`pack`) so that each group of 4 output rows is one sequential stream (docs/kernels.md has the
-measurements). An earlier version kept the activations in fp32 and widened the weights to fp32 for FMA: the same
-results within int16's rounding, at ~1.5x the time for 8 rows.
+each activation row to int16 (a relative error of ~1.5e-5, nothing to calibrate) and multiplies it by the 8-bit
+codes in integers (vpmaddwd), one fp32 multiply-add per group of 32, reading each weight byte from memory once per
+call; the weights are packed at load time (`pack`) so that each group of 4 output rows is one sequential stream
+(docs/kernels.md has the measurements).
 
 The first call (`unavailable()` or `linear()`) compiles `cpu_int8.c` (kernels/_cbuild.py: the system C compiler,
 -O3 -mavx2 -mfma -fopenmp, into `$DECODELAB_CACHE_DIR/kernels`, once per source version). `unavailable()` says
@@ -19,6 +25,7 @@ why not when the CPU lacks AVX2 or FMA, there is no compiler, or the build fails
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
@@ -26,35 +33,92 @@ from kernels import _cbuild
 
 
 def _declare(lib: ctypes.CDLL) -> None:
-    lib.dl_int8_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    i64, p = ctypes.c_int64, ctypes.c_void_p
+    lib.dl_int8_linear.argtypes = [p, i64, i64, i64, p, p, p, p, p, i64]
     lib.dl_int8_linear.restype = ctypes.c_int
 
 
 KERNEL = _cbuild.CKernel("cpu_int8", _declare)
 unavailable = KERNEL.unavailable  # None if the kernel runs here, else why not
 
+GROUP = 32  # weights along K that share a step and an offset: llama.cpp's block (Q8_0, Q4_1)
 
-def pack(q: torch.Tensor) -> torch.Tensor:
-    """q [N, K] int8 in the kernel's layout: groups of 4 output rows (N padded with zero rows to a multiple of 4),
-    K padded with zeros to a multiple of 16, each group's rows interleaved in 16-byte pieces per k-step, so a
-    group is one sequential stream: [ceil(N / 4), ceil(K / 16), 4, 16]."""
-    n, k = q.shape
-    padded = torch.nn.functional.pad(q, (0, -k % 16, 0, -n % 4))
-    return padded.view(padded.shape[0] // 4, 4, padded.shape[1] // 16, 16).transpose(1, 2).contiguous()
+
+@dataclass(frozen=True)
+class GroupedInt8:
+    """A [n, k] weight as w[i, j] ~= d[i, g] * u[i, j] + m[i, g], g = j // GROUP: 8-bit codes u (uint8, K padded with
+    zeros to a multiple of GROUP) and per group of GROUP an fp32 step d and offset m. A group's 256 levels span its
+    own [min, max] (asymmetric, as llama.cpp's Q4_1 / Q5_1 blocks)."""
+    u: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor
+    k: int
+
+    @property
+    def n(self) -> int:
+        return self.u.shape[0]
+
+    def dequantize(self) -> torch.Tensor:
+        """[n, k] fp32."""
+        n, g = self.d.shape
+        w = self.u.view(n, g, GROUP).float() * self.d[..., None] + self.m[..., None]
+        return w.view(n, g * GROUP)[:, :self.k]
+
+    @classmethod
+    def from_int8(cls, q: torch.Tensor, scale: torch.Tensor) -> GroupedInt8:
+        """Per-row symmetric int8 (q [n, k], scale [n]) in this form: u = q + 128, d = scale, m = -128 * scale."""
+        n, k = q.shape
+        g = -(-k // GROUP)
+        u = torch.nn.functional.pad(q.short() + 128, (0, g * GROUP - k)).to(torch.uint8)
+        d = scale.float()[:, None].expand(n, g).contiguous()
+        return cls(u, d, -128 * d, k)
+
+
+def quantize(weight: torch.Tensor) -> GroupedInt8:
+    """weight [n, k] float -> GroupedInt8: per group, m its minimum and d its range / 255 (0 for a constant group)."""
+    w = weight.detach().float()
+    n, k = w.shape
+    g = -(-k // GROUP)
+    groups = torch.nn.functional.pad(w, (0, g * GROUP - k)).view(n, g, GROUP)
+    lo, hi = groups.amin(2), groups.amax(2)
+    d = (hi - lo) / 255
+    u = ((groups - lo[..., None]) / torch.where(d > 0, d, 1.0)[..., None]).round_().clamp_(0, 255)
+    return GroupedInt8(u.view(n, g * GROUP).to(torch.uint8), d, lo, k)
+
+
+def pack(u: torch.Tensor) -> torch.Tensor:
+    """u [N, Kp] (Kp a multiple of GROUP) in the kernel's layout: groups of 4 output rows (N padded with zero rows
+    to a multiple of 4), each group's rows interleaved in 16-byte pieces per k-step, so a group is one sequential
+    stream: [ceil(N / 4), Kp / 16, 4, 16]."""
+    n, kp = u.shape
+    assert kp % GROUP == 0, kp
+    padded = torch.nn.functional.pad(u, (0, 0, 0, -n % 4))
+    return padded.view(padded.shape[0] // 4, 4, kp // 16, 16).transpose(1, 2).contiguous()
+
+
+def pack_steps(d: torch.Tensor) -> torch.Tensor:
+    """d [N, G] as the kernel reads it beside `pack`'s groups: [ceil(N / 4), G, 4]."""
+    padded = torch.nn.functional.pad(d.float(), (0, 0, 0, -d.shape[0] % 4))
+    return padded.view(padded.shape[0] // 4, 4, d.shape[1]).transpose(1, 2).contiguous()
+
+
+def pack_offsets(m: torch.Tensor) -> torch.Tensor:
+    """m [N, G] padded with zeros to [ceil(N / 4) * 4, G rounded up to 8]: a row's offsets are read 8 at a time."""
+    return torch.nn.functional.pad(m.float(), (0, -m.shape[1] % 8, 0, -m.shape[0] % 4)).contiguous()
 
 
 class Matrix:
-    """q [N, K] int8 with its scale [N] (and bias [N]) fp32, checked and packed once: `m(x)` = linear(x, q, scale,
-    bias) with ~4 us less per call (121 calls in a SmolLM2 decode step). Holds the packed copy only."""
+    """A GroupedInt8 weight (and bias [N] fp32), checked and packed once: `m(x)` = x @ w.T + bias with ~4 us less
+    per call (121 calls in a SmolLM2 decode step). Holds the packed copies only."""
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
-        assert q.dtype == torch.int8 and q.dim() == 2 and scale.dtype == torch.float32 and scale.shape == q.shape[:1]
-        assert bias is None or (bias.dtype == torch.float32 and bias.shape == q.shape[:1])
-        self.packed, self.scale = pack(q), scale.contiguous()
+    def __init__(self, w: GroupedInt8, bias: torch.Tensor | None = None):
+        assert w.u.dtype == torch.uint8 and w.d.dtype == w.m.dtype == torch.float32 and w.u.device.type == "cpu"
+        assert bias is None or (bias.dtype == torch.float32 and bias.shape == (w.n,))
+        self.packed, self.steps, self.offsets = pack(w.u), pack_steps(w.d), pack_offsets(w.m)
         self.bias = None if bias is None else bias.contiguous()
-        self.n, self.k = q.shape
-        self._ptrs = (self.packed.data_ptr(), self.scale.data_ptr(), None if bias is None else self.bias.data_ptr())
+        self.n, self.k = w.n, w.k
+        self._ptrs = (self.packed.data_ptr(), self.steps.data_ptr(), self.offsets.data_ptr(),
+                      None if bias is None else self.bias.data_ptr())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] fp32 on the CPU -> [M, N] fp32."""
@@ -63,8 +127,8 @@ class Matrix:
             x = x.contiguous()
         out = torch.empty(x.shape[0], self.n)
         if x.shape[0]:
-            packed, scale, bias = self._ptrs
-            if KERNEL.lib.dl_int8_linear(x.data_ptr(), x.stride(0), x.shape[0], self.k, packed, scale, bias,
+            packed, steps, offsets, bias = self._ptrs
+            if KERNEL.lib.dl_int8_linear(x.data_ptr(), x.stride(0), x.shape[0], self.k, packed, steps, offsets, bias,
                                          out.data_ptr(), self.n):
                 raise MemoryError("cpu_int8: no memory for the int16 copy of the activations")
         return out
@@ -72,4 +136,4 @@ class Matrix:
 
 def linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] fp32 (CPU) @ q [N, K] int8, times scale [N] fp32, plus bias [N] fp32 -> [M, N] fp32."""
-    return Matrix(q, scale, bias)(x)
+    return Matrix(GroupedInt8.from_int8(q, scale), bias)(x)

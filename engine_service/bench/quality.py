@@ -13,6 +13,13 @@ float32 on CPU), int8 weights (`quantization="int8"`, models/int8_linear.py), an
   `SamplingParams(prompt_logprobs=0, max_tokens=1)`; ppl = exp(-mean log p) over every scored token (a
   chunk's first token has no context and is not scored). That is Hugging Face's exp(loss) over the same
   chunks (tests/engine/test_bench_quality.py holds it to 1e-3 relative).
+- Three more held-out texts of different kinds (`benchmarks/data/`: prose written for this benchmark, code from
+  CPython's textwrap.py, the Apache-2.0 licence; `QUALITY_TEXTS`), each scored whole in one request through the
+  same prompt log-probs: perplexity and teacher-forced top-1 agreement with the baseline (the share of positions
+  whose most likely next token is the baseline's).
+- Continuation log-likelihoods as lm-eval scores them (`PAIRS`): log p(continuation | prompt), summed over the
+  continuation's tokens, from the prompt log-probs of prompt + continuation in one request; per variant the
+  difference from the baseline's, in nats.
 - Greedy divergence: `num_prompts` sentences of the same text as prompts, `new_tokens` greedy tokens each
   (`ignore_eos`), all in one batch; per variant the index of the first token that differs from the
   baseline's continuation (`new_tokens` when all agree), its distribution and the share identical throughout.
@@ -29,6 +36,7 @@ import re
 import sys
 import time
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 
 from engine_service.bench.common import cpu_info, median, pyplot, write_with_plot
 from engine_service.engine.config import EngineConfig
@@ -37,6 +45,13 @@ from engine_service.engine.sampling_params import SamplingParams
 BAR = 0.02  # relative perplexity increase above which a variant may not be a default
 TOPICS = ("objects", "execmodel", "import", "function")  # pydoc_data.topics keys, prose first, no overlap
 SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+DATA = Path(__file__).resolve().parents[2] / "benchmarks" / "data"
+QUALITY_TEXTS = ("prose.txt", "code.py.txt", "apache-2.0.txt")  # DATA/README.md says where each comes from
+# (prompt, continuation) as lm-eval's loglikelihood requests: facts, code, counting, a low-probability idiom
+PAIRS = (("The largest planet is", " Jupiter"), ("The capital of France is", " Paris"),
+         ("Water boils at a temperature of 100 degrees", " Celsius"), ("def add(a, b):\n    return", " a + b"),
+         ("The opposite of hot is", " cold"), ("One, two, three, four,", " five"),
+         ("The cat sat on the", " mat"), ("Romeo and Juliet was written by William", " Shakespeare"))
 
 
 @dataclass(frozen=True)
@@ -101,6 +116,57 @@ def chunks(ids: list[int], size: int) -> list[list[int]]:
     return [ids[i:i + size] for i in range(0, len(ids), size) if len(ids[i:i + size]) > 1]
 
 
+@dataclass(frozen=True)
+class Scored:
+    """One token sequence through the engine's prompt log-probs: each token's log p after the first, and the
+    most likely token at each of those positions (teacher forcing)."""
+    logprobs: list[float]
+    top1: list[int]
+
+
+def score(llm, pieces: list[list[int]]) -> list[Scored]:
+    """Every piece in one generate call, `prompt_logprobs=1` (the top token besides the piece's own)."""
+    params = SamplingParams(prompt_logprobs=1, max_tokens=1, temperature=0.0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in pieces], params)
+    return [Scored([out.prompt_logprobs[pos][piece[pos]] for pos in range(1, len(piece))],
+                   [max(lp.items(), key=lambda kv: kv[1])[0] for lp in out.prompt_logprobs[1:]])
+            for piece, out in zip(pieces, outs)]
+
+
+def quality_texts(tokenizer, names: tuple[str, ...] = QUALITY_TEXTS) -> dict[str, list[int]]:
+    return {name: tokenizer((DATA / name).read_text(), add_special_tokens=False).input_ids for name in names}
+
+
+def pair_tokens(tokenizer, pairs=PAIRS) -> list[tuple[list[int], list[int]]]:
+    """Prompt and continuation tokenized apart, so a continuation's tokens are the same in every variant."""
+    return [(tokenizer(p, add_special_tokens=False).input_ids, tokenizer(c, add_special_tokens=False).input_ids)
+            for p, c in pairs]
+
+
+def text_scores(llm, texts: dict[str, list[int]]) -> dict[str, Scored]:
+    return dict(zip(texts, score(llm, list(texts.values()))))
+
+
+def continuation_logliks(llm, pairs: list[tuple[list[int], list[int]]]) -> list[float]:
+    """log p(continuation | prompt) per pair: the sum over the continuation's tokens."""
+    return [sum(s.logprobs[len(p) - 1:]) for s, (p, _) in zip(score(llm, [p + c for p, c in pairs]), pairs)]
+
+
+def compare_texts(scores: dict[str, Scored], base: dict[str, Scored]) -> dict:
+    """Per text: perplexity, its change from the baseline's, top-1 agreement with the baseline; and over all."""
+    out: dict = {}
+    for name, sc in scores.items():
+        ppl = math.exp(-sum(sc.logprobs) / len(sc.logprobs))
+        ref = math.exp(-sum(base[name].logprobs) / len(base[name].logprobs))
+        agree = sum(a == b for a, b in zip(sc.top1, base[name].top1, strict=True))
+        out[name] = {"tokens": len(sc.logprobs), "ppl": ppl, "rel_ppl_change": ppl / ref - 1,
+                     "top1_agreement": agree / len(sc.top1)}
+    n = sum(r["tokens"] for r in out.values())
+    out_all = {"max_rel_ppl_change": max(r["rel_ppl_change"] for r in out.values()),
+               "top1_agreement": sum(r["top1_agreement"] * r["tokens"] for r in out.values()) / n}
+    return {"per_text": out, **out_all}
+
+
 def engine_perplexity(llm, pieces: list[list[int]]) -> dict:
     """exp(-mean log p) of every token after the first of each piece, from the engine's prompt log-probs."""
     params = SamplingParams(prompt_logprobs=0, max_tokens=1, temperature=0.0)
@@ -155,7 +221,7 @@ def measure(base: EngineConfig, text: HeldOutText, text_tokens: int = 4096, chun
     res: dict = {"text": {"source": text.source, "sha256": text.sha256, "chars": len(text.text)},
                  "prompts": {"source": "sentences of the held-out text, evenly spaced", "new_tokens": new_tokens},
                  "bar": BAR, "variants": {}}
-    ids = pieces = prompts = baseline = None
+    ids = pieces = prompts = baseline = texts = pairs = None
     for v in variants(base.dtype):
         config = variant_config(base, v)
         if isinstance(config, str):
@@ -177,20 +243,32 @@ def measure(base: EngineConfig, text: HeldOutText, text_tokens: int = 4096, chun
             prompts = [llm.tokenizer(s, add_special_tokens=False).input_ids for s in sentences(text.text, num_prompts)]
             res["text"].update(tokens=len(ids), chunk_tokens=size, chunks=len(pieces))
             res["prompts"]["count"] = len(prompts)
+            texts = {n: t[:size + 1] for n, t in quality_texts(llm.tokenizer).items()}
+            pairs = pair_tokens(llm.tokenizer)
+            res["texts"] = {n: {"sha256": hashlib.sha256((DATA / n).read_bytes()).hexdigest(), "tokens": len(t)}
+                            for n, t in texts.items()}
+            res["pairs"] = [{"prompt": p, "continuation": c} for p, c in PAIRS]
         row = {"quantization": v.quantization, "kv_cache_dtype": v.kv_cache_dtype, **engine_perplexity(llm, pieces)}
         continuations = greedy_continuations(llm, prompts, new_tokens)
+        scores, logliks = text_scores(llm, texts), continuation_logliks(llm, pairs)
+        row["pair_logliks"] = logliks
         if baseline is None:
-            baseline = row | {"name": v.name, "continuations": continuations}
+            baseline = row | {"name": v.name, "continuations": continuations, "scores": scores}
         else:
             row["rel_ppl_change"] = row["ppl"] / baseline["ppl"] - 1
             row["verdict"] = ("fails the 2% bar (not a default)" if row["rel_ppl_change"] > BAR
                               else "within the 2% bar")
             row["divergence"] = divergence_summary(first_divergence(baseline["continuations"], continuations),
                                                    new_tokens)
+            row["texts"] = compare_texts(scores, baseline["scores"])
+            row["pair_deltas"] = [a - b for a, b in zip(logliks, baseline["pair_logliks"])]
+            row["max_abs_pair_delta"] = max(map(abs, row["pair_deltas"]))
         res["variants"][v.name] = row
         print(f"{v.name}: ppl {row['ppl']:.4f}" + (f" ({row['rel_ppl_change']:+.2%}, {row['verdict']}; identical "
-              f"over {new_tokens} tokens: {row['divergence']['identical_fraction']:.0%})"
-              if "verdict" in row else ""), flush=True)
+              f"over {new_tokens} tokens: {row['divergence']['identical_fraction']:.0%}; texts "
+              + ", ".join(f"{n} {t['rel_ppl_change']:+.2%}" for n, t in row["texts"]["per_text"].items())
+              + f"; top-1 agreement {row['texts']['top1_agreement']:.2%}; continuation log-likelihoods within "
+              f"{row['max_abs_pair_delta']:.3f} nats)" if "verdict" in row else ""), flush=True)
         del llm
         gc.collect()  # one engine's weights and KV pool at a time
     res["baseline"] = baseline["name"] if baseline else None
@@ -214,7 +292,7 @@ def plot(res: dict, path) -> None:
     plt = pyplot()
 
     rows = {k: v for k, v in res["variants"].items() if "ppl" in v}
-    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5))
+    fig, ((a, b), (c, d)) = plt.subplots(2, 2, figsize=(13, 9))
     names = [n for n in rows if "rel_ppl_change" in rows[n]]  # the baseline is the zero line
     changes = [100 * rows[n]["rel_ppl_change"] for n in names]
     a.bar(names, changes, color=["tab:red" if c > 100 * res["bar"] else "tab:green" for c in changes])
@@ -242,5 +320,25 @@ def plot(res: dict, path) -> None:
     b.set_title(f"greedy continuations of {res['prompts'].get('count', 0)} prompts")
     b.set_ylim(0, 1.05)
     b.legend()
+    compared = [n for n in names if "texts" in rows[n]]
+    width = 0.8 / max(len(compared), 1)
+    for i, n in enumerate(compared):
+        per = rows[n]["texts"]["per_text"]
+        c.bar([j + i * width for j in range(len(per))], [100 * t["rel_ppl_change"] for t in per.values()], width,
+              label=f"{n} (top-1 {100 * rows[n]['texts']['top1_agreement']:.1f}%)")
+        c.set_xticks([j + width * (len(compared) - 1) / 2 for j in range(len(per))], list(per))
+        d.plot(range(len(rows[n]["pair_deltas"])), rows[n]["pair_deltas"], "o", label=n)
+    c.axhline(0.5, color="black", linestyle="--")
+    c.set_ylabel(f"perplexity change vs {res.get('baseline')} (%)")
+    c.set_title("held-out texts of three kinds (dashed: +0.5%); legend: teacher-forced top-1 agreement", fontsize=9)
+    c.legend(fontsize=8)
+    for y in (-0.05, 0.05):
+        d.axhline(y, color="black", linestyle="--")
+    d.axhline(0, color="gray", linewidth=0.8)
+    d.set_xticks(range(len(res.get("pairs", []))), [p["continuation"].strip() for p in res.get("pairs", [])],
+                 rotation=30, fontsize=8)
+    d.set_ylabel(f"log-likelihood - {res.get('baseline')}'s (nats)")
+    d.set_title("continuation log-likelihoods (lm-eval style); dashed: +-0.05 nats", fontsize=9)
+    d.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -173,7 +173,8 @@ def _stored_bytes(w: Int8Weight | HeadWeight | RowSplitWeight, numel: int) -> in
     # a RowSplitWeight holds two int8 copies; a decode step reads one (the avx2 kernel's)
     if isinstance(w, HeadWeight):
         return numel * 2  # fbgemm's fp16 weight
-    return numel + w.scale.nbytes  # int8 plus one fp32 scale per output channel
+    # int8 codes plus their scales: one fp32 per output channel (fbgemm), or an fp32 step and offset per 32 weights
+    return numel + w.scale.nbytes + w.group_bytes
 
 
 def _linear_bytes(m: Linear) -> int:

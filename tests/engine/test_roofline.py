@@ -28,9 +28,9 @@ def test_the_tiny_models_weights_are_counted_as_stored(tiny_llama_dir):
 def test_int8_weights_and_an_int8_cache_are_counted_at_their_size(tiny_llama_dir, monkeypatch):
     monkeypatch.setenv("DECODELAB_INT8_KERNEL", "dequant")  # int8 everywhere, head included (int8_linear.py)
     cost = LLM(str(tiny_llama_dir), num_kv_blocks=32, quantization="int8", kv_cache_dtype="int8").engine.cost
-    out_channels = (64 + 2 * 32) + 64 + 256 + 64  # one fp32 scale per output channel
-    assert cost.layer_weight_bytes == 2 * (LAYER_PARAMS + 4 * out_channels)
-    assert cost.head_weight_bytes == 512 * 64 + 4 * 512
+    groups = LAYER_PARAMS // 32  # an fp32 step and offset per 32 weights (every in_features here is 64 or 128)
+    assert cost.layer_weight_bytes == 2 * (LAYER_PARAMS + 8 * groups)
+    assert cost.head_weight_bytes == 512 * 64 + 8 * 512 * 64 // 32
     assert cost.kv_bytes == 1 + 4 / (16 * 16)  # plus its share of the (block of 16, head) scale
 
 

@@ -1,7 +1,7 @@
-"""kernels/cpu_int8.c, our AVX2 int8 weight x int16-quantized activation matmul: against its exact integer
-reference and the float64 product, every block shape (rows 1-9 and more, outputs and inner sizes off its 4 x 16
-grid), the bias, a row alone or in any batch, inputs whose int32 lanes would overflow at 16 bits, NaN and inf
-(its build's fall-back: test_cbuild.py)."""
+"""kernels/cpu_int8.c, our AVX2 kernel for grouped 8-bit weights x int16-quantized activations: against its exact
+reference (the same integers in float64) and the float product, every block shape (rows 1-9 and more, outputs and
+inner sizes off its 4 x 32 grid), the bias, a row alone or in any batch, long rows, NaN and inf (its build's
+fall-back: test_cbuild.py); and `quantize`, its weight format (GroupedInt8)."""
 import pytest
 import torch
 from hypothesis import example, given, settings
@@ -19,11 +19,27 @@ def quantized_rows(x, xmax=32767):
     return torch.round(x * (1 / step)[:, None]), step
 
 
-def exact(x, q, scale, bias, xmax=32767):
-    """the kernel's result computed in float64: integer sums are exact there"""
-    xq, step = quantized_rows(x, xmax)
-    y = (xq.double() @ q.double().T) * (step.double()[:, None] * scale.double())
+def exact(x, w: cpu_int8.GroupedInt8, bias=None):
+    """the kernel's result in float64 from the same integers: per group d * (xq . u) + m * sum(xq), times the step"""
+    xq, step = quantized_rows(x)
+    xq = torch.nn.functional.pad(xq.double(), (0, w.u.shape[1] - w.k)).view(x.shape[0], 1, w.d.shape[1], 32)
+    u = w.u.double().view(w.n, -1, 32)
+    y = ((xq * u).sum(-1) * w.d.double() + xq.sum(-1) * w.m.double()).sum(-1) * step.double()[:, None]
     return y if bias is None else y + bias.double()
+
+
+def check(x, w: cpu_int8.GroupedInt8, bias=None) -> torch.Tensor:
+    """the kernel against `exact` (fp32 rounds the group sums, the steps and the lanes: a few ulps of the terms'
+    magnitude) and each row alone against its batch, bit for bit"""
+    matrix = cpu_int8.Matrix(w, bias)
+    got = matrix(x)
+    assert got.shape == (x.shape[0], w.n) and got.dtype == torch.float32
+    terms = x.abs().amax(1, keepdim=True).double() * (w.u.double().view(w.n, -1, 32).sum(-1) * w.d.double()
+                                                      + 32 * w.m.double().abs()).sum(-1)
+    assert ((got.double() - exact(x, w, bias)).abs() <= 1e-6 * terms + 1e-6).all()
+    for i in range(x.shape[0]):
+        assert torch.equal(matrix(x[i:i + 1])[0], got[i])
+    return got
 
 
 @settings(max_examples=40, deadline=None)
@@ -32,22 +48,61 @@ def exact(x, q, scale, bias, xmax=32767):
 @example(rows=8, n=960, k=576, bias=False, seed=0)  # a SmolLM2 qkv projection, the four-mode batch
 @example(rows=1, n=576, k=1536, bias=True, seed=1)  # down_proj at batch 1
 @example(rows=7, n=10, k=37, bias=True, seed=2)  # chunks of 4 and 3 rows, a part-filled group, a padded k-step
-def test_matches_its_integer_reference_and_the_float_product_and_each_row_is_batch_invariant(rows, n, k, bias, seed):
+def test_per_row_int8_matches_its_reference_and_the_float_product_and_each_row_is_batch_invariant(rows, n, k, bias,
+                                                                                                   seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, k, generator=g)
     q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
     scale = torch.rand(n, generator=g) * 0.01 + 1e-4
     b = torch.randn(n, generator=g) if bias else None
-    got = cpu_int8.linear(x, q, scale, b)
-    assert got.shape == (rows, n) and got.dtype == torch.float32
-    # the integer sums are exact; fp32 rounds the 8 lane sums and the two scales: a few ulps
-    unit = 127 * float(scale.max()) * float(x.abs().max()) if rows else 0.0
-    assert torch.allclose(got.double(), exact(x, q, scale, b), rtol=1e-5, atol=1e-6 * unit)
+    got = check(x, cpu_int8.GroupedInt8.from_int8(q, scale), b)
+    assert torch.equal(cpu_int8.linear(x, q, scale, b), got)
     # int16 activations: each off by at most half a step (max|x| / 32767 / 2) from fp32's
+    unit = 127 * float(scale.max()) * float(x.abs().max()) if rows else 0.0
     fp = (x.double() @ q.double().T) * scale.double() + (0 if b is None else b.double())
     assert ((got.double() - fp).abs() <= k * unit / 32767 / 2 + 1e-5 * unit + 1e-6).all()
-    for i in range(rows):
-        assert torch.equal(cpu_int8.linear(x[i:i + 1], q, scale, b)[0], got[i])
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 9), n=st.integers(1, 21), k=st.integers(1, 100), outliers=st.booleans(),
+       seed=st.integers(0, 10_000))
+@example(rows=4, n=576, k=1536, outliers=True, seed=3)  # SmolLM2's down_proj
+def test_grouped_weights_match_their_reference_and_are_batch_invariant(rows, n, k, outliers, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05 + (torch.randn(n, 1, generator=g) * 0.02)
+    if outliers:  # a few large weights, and one row far from zero (every group's offset large)
+        w[torch.rand(n, k, generator=g) < 0.01] *= 40
+        w[0] += 3.0
+    check(torch.randn(rows, k, generator=g), cpu_int8.quantize(w))
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 9), k=st.integers(1, 100), spread=st.sampled_from([1e-6, 1.0, 1e4]),
+       offset=st.sampled_from([0.0, 1.0, -50.0]), seed=st.integers(0, 10_000))
+@example(n=2, k=64, spread=0.0, offset=0.0, seed=0)  # all-zero rows
+@example(n=2, k=64, spread=0.0, offset=2.0, seed=0)  # constant rows: zero range in every group
+def test_quantize_keeps_each_weight_within_half_a_step_of_its_groups_range(n, k, spread, offset, seed):
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * spread + offset
+    grouped = cpu_int8.quantize(w)
+    assert grouped.u.shape == (n, -(-k // 32) * 32) and grouped.d.shape == grouped.m.shape == (n, -(-k // 32))
+    groups = torch.nn.functional.pad(w, (0, -k % 32)).view(n, -1, 32)
+    assert torch.equal(grouped.m, groups.amin(2))  # the offset: the group's minimum (padding zeros count)
+    step = grouped.d.repeat_interleave(32, dim=1)[:, :k]
+    assert ((grouped.dequantize() - w).abs() <= step * 0.5001 + 1e-6 * w.abs().amax(1, keepdim=True)).all()
+
+
+def test_a_grid_of_16_levels_in_a_group_is_kept_exactly():
+    # llama.cpp's Q4_1 (SmolLM2's weights as installed): m + d * q, q in 0..15 -> step d / 17, codes 17 q
+    d, m = torch.rand(6, 3) * 0.01 + 1e-3, torch.randn(6, 3) * 0.02
+    q = torch.randint(0, 16, (6, 3, 32))
+    q[..., 0], q[..., 1] = 0, 15
+    w = (m[..., None] + d[..., None] * q).view(6, 96)
+    assert torch.allclose(cpu_int8.quantize(w).dequantize(), w, rtol=0, atol=1e-6 * float(w.abs().max()))
+
+
+def test_per_row_int8_maps_onto_the_grouped_form_exactly():
+    q = torch.randint(-127, 128, (5, 40), dtype=torch.int8)
+    assert torch.equal(cpu_int8.GroupedInt8.from_int8(q, torch.full((5,), 0.5)).dequantize(), q.float() * 0.5)
 
 
 def test_strided_inputs_are_read_as_their_values():
@@ -59,18 +114,16 @@ def test_strided_inputs_are_read_as_their_values():
     assert torch.equal(cpu_int8.linear(xt, q, scale), cpu_int8.linear(xt.contiguous(), q, scale))
 
 
-def test_long_rows_use_fewer_activation_bits_instead_of_overflowing():
-    # K = 20,000 products of 127 x 32767 in a lane would pass int32; the kernel quantizes to fewer levels instead
+def test_long_rows_keep_all_16_activation_bits_without_overflowing():
+    # 20,000 products of 127 x 32767 would pass int32 in one lane; each group of 32 is added in fp32 instead
     k = 20_000
     x = torch.ones(2, k)
     x[1] = -1
     q = torch.full((3, k), 127, dtype=torch.int8)
     got = cpu_int8.linear(x, q, torch.ones(3))
-    assert torch.allclose(got, torch.tensor([[127.0 * k] * 3, [-127.0 * k] * 3]), rtol=1e-6)
-    xmax = int(2**31 * 8 / (127 * k))
-    y = torch.randn(1, k)
-    assert torch.allclose(cpu_int8.linear(y, q, torch.ones(3)).double(), exact(y, q, torch.ones(3), None, xmax),
-                          rtol=1e-5)
+    # fp32 sums of 625 groups, whose codes (q + 128) and offsets (-128) cancel to half their size: ~1e-5
+    assert torch.allclose(got, torch.tensor([[127.0 * k] * 3, [-127.0 * k] * 3]), rtol=1e-4)
+    check(torch.randn(2, k), cpu_int8.GroupedInt8.from_int8(q, torch.ones(3)))
 
 
 def test_a_nan_or_inf_in_a_row_makes_that_row_nan_and_leaves_the_others():
@@ -83,10 +136,17 @@ def test_a_nan_or_inf_in_a_row_makes_that_row_nan_and_leaves_the_others():
 
 
 def test_pack_interleaves_four_rows_per_k_step_and_pads_with_zeros():
-    q = torch.arange(6 * 20, dtype=torch.int64).remainder(251).sub(125).to(torch.int8).view(6, 20)
-    p = cpu_int8.pack(q)
-    assert p.shape == (2, 2, 4, 16) and p.is_contiguous()  # 6 rows -> 2 groups of 4; K 20 -> 2 k-steps of 16
+    u = torch.arange(6 * 64, dtype=torch.int64).remainder(251).to(torch.uint8).view(6, 64)
+    p = cpu_int8.pack(u)
+    assert p.shape == (2, 4, 4, 16) and p.is_contiguous()  # 6 rows -> 2 groups of 4; K 64 -> 4 k-steps of 16
     for n in range(6):
-        for k in range(20):
-            assert p[n // 4, k // 16, n % 4, k % 16] == q[n, k]
-    assert (p[1, :, 2:] == 0).all() and (p[:, 1, :, 4:] == 0).all()  # the padding rows and columns
+        for k in range(64):
+            assert p[n // 4, k // 16, n % 4, k % 16] == u[n, k]
+    assert (p[1, :, 2:] == 0).all()  # the padding rows
+    d = torch.arange(12, dtype=torch.float32).view(6, 2)
+    steps = cpu_int8.pack_steps(d)
+    assert steps.shape == (2, 2, 4)  # per group of 4 rows and group of 32 k: the 4 rows' steps
+    for n in range(6):
+        for j in range(2):
+            assert steps[n // 4, j, n % 4] == d[n, j]
+    assert cpu_int8.pack_offsets(d).shape == (8, 8)  # rows padded to 4s, groups to 8s, with zeros

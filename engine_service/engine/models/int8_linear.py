@@ -1,25 +1,27 @@
-"""INT8 linears: int8 weights with one scale per output channel, activations quantized at run time.
+"""INT8 linears: 8-bit weights, activations quantized at run time.
 
-Weights are quantized symmetrically per output channel (`quantize_weight`). Three kernels, `int8_kernel`
-picks one:
+Three kernels, `int8_kernel` picks one:
 
-- "avx2" (x86 CPUs with AVX2 and a C compiler; DECODELAB_INT8_KERNEL=avx2, or where fbgemm does not run):
-  int8 weights (|q| <= 127, one scale per output row) times activations quantized per row to int16 inside the
-  call, our own kernel (kernels/cpu_int8.c, built on first use): integer products and sums (vpmaddwd), nothing
-  calibrated, every matmul and the LM head in int8, each row's result independent of the others of its step.
-  On the 2-core AVX2 target (docs/kernels.md) it beats fbgemm at 1 row (SmolLM2's qkv 0.9 vs 2.1 ms for 30
-  layers) and matches it up to ~8, but fbgemm's int8 activations do twice the multiply-adds per instruction at
-  more rows (gate/up at 11 rows 13.8 vs 10.0 ms; prefill at 64 rows ~1.5x). As the whole-model choice it has
-  the least perplexity lost (+0.20%) but prefills ~1.5x slower; on the default it is fbgemm's partner (below).
-- "fbgemm" (x86 CPUs with AVX2 or better; the CPU default; with a C compiler it runs only prompt tokens' q/k/v
-  and gate/up, and the avx2 kernel the rest: `projection_kernels`, `RowSplitWeight`): weights and activations in
-  int8 through PyTorch's quantized engine (fbgemm). `quantized.linear_prepack` reorders the int8 weight once; each call
-  quantizes its fp32 input to uint8, multiplies with int32 accumulation and scales back to fp32. It was the
-  fastest int8 path in PyTorch on the AVX2 target (docs/kernels.md has the table: 2.5-3.5x fewer ms than
-  the oneDNN-packed fp32 weights for the linears of a decode step; torchao's CPU int8 and `torch._int_mm`
-  were 10-400x slower in eager mode). PyTorch's `quantized.linear_dynamic` picks one activation scale for the
-  whole input; three things make this accurate enough (SmolLM2-135M, docs/kernels.md; plain linear_dynamic had
-  3.4x its perplexity):
+- "avx2" (x86 CPUs with AVX2 and a C compiler: the CPU default; DECODELAB_INT8_KERNEL=avx2 insists on it):
+  our own kernel (kernels/cpu_int8.c, built on first use) for every matmul and the LM head, prompt and generated
+  rows alike. Weights are 8-bit codes in groups of 32 along K, each group with its own fp32 step and offset
+  (kernels/cpu_int8.py `GroupedInt8`, `quantize`: a group's 256 levels span its own [min, max]); activations are
+  quantized per row to int16 inside the call; products and a group's sums are integers (vpmaddwd), nothing is
+  calibrated, and each row's result is independent of the others of its step. Measured on SmolLM2-135M
+  (docs/kernels.md, `decodelab bench quality`): the fbgemm mix below, the default before, moved continuation
+  log-likelihoods by up to 0.80 nats and perplexity by up to +3.0% (its 8-bit prompt activations and per-row
+  weight scales both cost); this kernel 0.022 nats and at most +0.09%. The price is prefill speed: the q/k/v and
+  gate/up matmuls of prompt rows ran ~1.5x faster through fbgemm, and the fp32 step per group costs ~1.3x at 64
+  rows against per-row scales.
+- "fbgemm" (x86 CPUs with AVX2 or better where our kernel does not build, or DECODELAB_INT8_KERNEL=fbgemm; with a C
+  compiler it runs only prompt tokens' q/k/v and gate/up, and the avx2 kernel the rest: `projection_kernels`,
+  `RowSplitWeight`): weights (per-row scales) and activations in int8 through PyTorch's quantized engine (fbgemm).
+  `quantized.linear_prepack` reorders the int8 weight once; each call quantizes its fp32 input to uint8, multiplies
+  with int32 accumulation and scales back to fp32. It was the fastest int8 path in PyTorch on the AVX2 target
+  (docs/kernels.md has the table: 2.5-3.5x fewer ms than the oneDNN-packed fp32 weights for the linears of a decode
+  step; torchao's CPU int8 and `torch._int_mm` were 10-400x slower in eager mode). PyTorch's
+  `quantized.linear_dynamic` picks one activation scale for the whole input; three things make this accurate enough
+  (SmolLM2-135M, docs/kernels.md; plain linear_dynamic had 3.4x its perplexity):
   * rows are scaled to max |x| = 1 before the call and back after, and quantized on the fixed grid [-1, 1]
     (`quantized.linear_with_input_q_dq_qweight_dq_output_fp32`: linear_dynamic's kernel with the input's
     scale given; bitwise what linear_dynamic gives for an input spanning [-1, 1]): per-token quantization
@@ -38,10 +40,10 @@ picks one:
   faster than the fp16 weights they ran from before (+0.57%; the head at 11 rows 7.1 vs 9.4 ms, down_proj 7.2
   vs 9.3). Without a C compiler, down_proj and the head fall back to fbgemm's fp16 weights (`HeadWeight`) and
   o_proj to fbgemm.
-- "dequant" (CUDA, CPUs where neither of the above runs, or DECODELAB_INT8_KERNEL=dequant): weight-only int8
-  (|q| <= 127), y = F.linear(x, q.to(x.dtype)) * scale: exact products with the int8 weight, the same on every device,
-  weight memory halved (bf16) or quartered (fp32); the matmul runs at the input dtype's speed, and on a
-  CPU each call converts the weight (a fallback for memory, not speed). Tested on the CPU; not run on a GPU.
+- "dequant" (CUDA, CPUs where neither of the above runs, or DECODELAB_INT8_KERNEL=dequant): weight-only, the avx2
+  kernel's grouped 8-bit weights (the same GroupedInt8) dequantized to the input's dtype each call and multiplied by
+  F.linear: weight memory ~half (bf16) or ~a quarter (fp32); the matmul runs at the input dtype's speed plus the
+  dequantization (a fallback for memory, not speed). Tested on the CPU; not run on a GPU.
 """
 import contextlib
 import contextvars
@@ -121,24 +123,24 @@ def _fbgemm_error() -> str | None:
 
 
 def int8_kernel(device: torch.device) -> str:
-    """Which kernel int8 linears use on `device`: on a CPU "fbgemm" where it runs, else "avx2" where that
-    builds, else "dequant"; "dequant" on other devices. DECODELAB_INT8_KERNEL forces one ("avx2": single
-    streams and the least perplexity lost; tests, A/B runs)."""
+    """Which kernel int8 linears use on `device`: on a CPU "avx2" where our kernel builds, else "fbgemm" where
+    that runs, else "dequant"; "dequant" on other devices. DECODELAB_INT8_KERNEL forces one ("fbgemm": the
+    faster-prefilling mix with 8-bit activations that was the default before the grouped weights; tests, A/B
+    runs)."""
     forced = os.environ.get("DECODELAB_INT8_KERNEL", "")
     if forced and forced not in KERNELS:
         raise ValueError(f"DECODELAB_INT8_KERNEL: expected one of {', '.join(KERNELS)}, got {forced!r}")
     if forced == "dequant" or device.type != "cpu":
         return "dequant"
-    if forced == "avx2":
-        if (why := cpu_int8.unavailable()) is not None:
-            raise ValueError(f"DECODELAB_INT8_KERNEL: avx2 does not run here ({why})")
-        return "avx2"
-    why = _fbgemm_error()
-    if why is not None:
-        if forced == "fbgemm":
+    if forced == "fbgemm":
+        if (why := _fbgemm_error()) is not None:
             raise ValueError(f"DECODELAB_INT8_KERNEL: fbgemm does not run on this CPU ({why})")
-        return "avx2" if cpu_int8.unavailable() is None else "dequant"
-    return "fbgemm"
+        return "fbgemm"
+    if (why := cpu_int8.unavailable()) is None:
+        return "avx2"
+    if forced == "avx2":
+        raise ValueError(f"DECODELAB_INT8_KERNEL: avx2 does not run here ({why})")
+    return "fbgemm" if _fbgemm_error() is None else "dequant"
 
 
 class HeadWeight:
@@ -203,6 +205,7 @@ class RowSplitWeight:
         self.generated = Int8Weight(weight, bias, "avx2")
         self.prompt = Int8Weight(weight, bias, "fbgemm")
         self.kernel, self.scale, self.out_features = "avx2|fbgemm", self.generated.scale, weight.shape[0]
+        self.group_bytes = self.generated.group_bytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         n = generated_rows.get()
@@ -220,19 +223,26 @@ class Int8Weight:
         assert kernel in KERNELS, kernel
         self.kernel = kernel
         self.out_features = weight.shape[0]
-        q, self.scale = quantize_weight(weight, QMAX[kernel])
         self.bias = None if bias is None else bias.detach().float().contiguous()
-        # fbgemm and our kernel keep their own packed copies of q
-        self.packed = _fbgemm_pack(q, self.scale) if kernel == "fbgemm" else None
-        self.matrix = cpu_int8.Matrix(q, self.scale, self.bias) if kernel == "avx2" else None
-        self.qweight = q.contiguous() if kernel == "dequant" else None
+        self.packed = self.matrix = self.grouped = None
+        self.group_bytes = 0  # beyond one int8 a weight and its scales (`scale`: per row, or per group)
+        if kernel == "fbgemm":  # fbgemm keeps its own packed copy of q
+            q, self.scale = quantize_weight(weight, QMAX[kernel])
+            self.packed = _fbgemm_pack(q, self.scale)
+            return
+        grouped = cpu_int8.quantize(weight)  # avx2, dequant: 8-bit codes in groups of 32 (GroupedInt8)
+        self.scale, self.group_bytes = grouped.d, grouped.m.nbytes  # a step and an offset per group
+        if kernel == "avx2":
+            self.matrix = cpu_int8.Matrix(grouped, self.bias)  # holds the packed copy only
+        else:
+            self.grouped = grouped
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.matrix is not None:
             return self.matrix(x) if x.dtype == torch.float32 else self.matrix(x.float()).to(x.dtype)
-        if self.kernel == "dequant":
-            out = F.linear(x, self.qweight.to(x.dtype)) * self.scale.to(x.dtype)
-            return out if self.bias is None else out + self.bias.to(x.dtype)
+        if self.kernel == "dequant":  # the weight in x's dtype each call: a memory saving, not a speed-up
+            w = self.grouped.dequantize().to(x.dtype)
+            return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
         if x.shape[0] == 0:
             return x.new_empty(0, self.out_features)
         x32 = x.float()
