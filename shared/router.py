@@ -71,6 +71,8 @@ class Router:
         self.affinity_ttl_s, self.live_cache_s = affinity_ttl_s, live_cache_s
         self._live: tuple[float, list[str]] = (0.0, [])
         self._tokenizers: dict[str, object] = {}  # model -> tokenizer, or the task loading it
+        self._model: str | None = None  # the model the live replicas serve (their heartbeats), once seen
+        self._block_sizes: dict[str, int] = {}  # replica -> its block size, from its last heartbeat
 
     async def live_replicas(self) -> list[str]:
         at, names = self._live
@@ -112,50 +114,70 @@ class Router:
             return None  # the replica refuses it with the reason; any replica will do
 
     async def route(self, request: GenerationRequest, route_key: str | None = None) -> Route:
+        """One pipelined round trip: every live replica's heartbeat, queue length and which of the prompt's blocks
+        it holds (hashed with the block size its last heartbeat gave; a replica whose size differs is asked again)."""
         t0 = time.perf_counter()
         names = await self.live_replicas()
         if not names:
             return Route(self.keys.stream, None, 0, "shared", time.perf_counter() - t0)
+        model = request.model or self._model
+        ids = self.token_ids(request, model) if model else None
+        guessed = {n: self._block_sizes.get(n, 16) for n in names}
+        hashes = self._hashes(ids, set(guessed.values()))
         pipe = self.redis.pipeline(transaction=False)
         pipe.mget([self.keys.replica(n) for n in names])
         for n in names:
             pipe.xlen(self.keys.replica_stream(n))
+            if hashes.get(guessed[n]):
+                pipe.smismember(self.keys.kv_blocks(n), hashes[guessed[n]])
         if route_key:
             pipe.get(self.keys.affinity(route_key))
         beats, *rest = await pipe.execute()
-        queued, affinity = rest[:len(names)], (rest[len(names)] if route_key else None)
-        candidates, model = [], request.model
-        for name, raw, n_queued in zip(names, beats, queued):
+        affinity = rest.pop() if route_key else None
+        candidates, replies = [], iter(rest)
+        for name, raw in zip(names, beats):
+            n_queued = next(replies)
+            held = next(replies) if hashes.get(guessed[name]) else None
             info = _info(raw)
             if info is None or not info.get("accepting", True):
                 continue  # its heartbeat ran out, or it drains
             if request.model and info.get("model") != request.model:
                 continue
-            model = model or info.get("model")
-            load = max(int(n_queued), int(info.get("running", 0)))
-            candidates.append(Candidate(name, int(info.get("block_size", 16)), load, role=info.get("role", "both")))
+            self._model = self._model or info.get("model")
+            c = Candidate(name, int(info.get("block_size", 16)), max(int(n_queued), int(info.get("running", 0))),
+                          role=info.get("role", "both"))
+            self._block_sizes[name] = c.block_size
+            if held is not None and c.block_size == guessed[name]:
+                c.cached_tokens = _leading(held) * c.block_size
+            candidates.append(c)
         if not candidates:
             return Route(self.keys.stream, None, 0, "shared", time.perf_counter() - t0)
         if any(c.role != "decode" for c in candidates):  # new requests start where prompts are computed
             candidates = [c for c in candidates if c.role != "decode"]
-        ids = self.token_ids(request, model) if model else None
-        if ids:
-            await self._cached_prefixes(candidates, ids)
+        if ids is None and self._model and (ids := self.token_ids(request, self._model)):
+            await self._cached_prefixes(candidates, ids)  # the first request: the model was not known yet
+        else:
+            await self._cached_prefixes([c for c in candidates if c.block_size != guessed[c.name]], ids or [])
         chosen, reason = self._choose(candidates, len(ids or ()), affinity)
         if route_key:
             await self.redis.set(self.keys.affinity(route_key), chosen.name, ex=self.affinity_ttl_s)
         return Route(self.keys.replica_stream(chosen.name), chosen.name, chosen.cached_tokens, reason,
                      time.perf_counter() - t0)
 
+    @staticmethod
+    def _hashes(ids: list[int] | None, sizes: set[int]) -> dict[int, list[str]]:
+        return {bs: block_hashes(ids, bs, MAX_ROUTED_BLOCKS) for bs in sizes} if ids else {}
+
     async def _cached_prefixes(self, candidates: list[Candidate], ids: list[int]) -> None:
-        hashes = {bs: block_hashes(ids, bs, MAX_ROUTED_BLOCKS) for bs in {c.block_size for c in candidates}}
+        hashes = self._hashes(ids, {c.block_size for c in candidates})
+        asked = [c for c in candidates if hashes.get(c.block_size)]
+        if not asked:
+            return
         pipe = self.redis.pipeline(transaction=False)
-        asked = [c for c in candidates if hashes[c.block_size]]
         for c in asked:
             pipe.smismember(self.keys.kv_blocks(c.name), hashes[c.block_size])
         for c, held in zip(asked, await pipe.execute()):
-            run = next((i for i, h in enumerate(held) if not h), len(held))  # the leading blocks it holds
-            c.cached_tokens = run * c.block_size
+            c.cached_tokens = _leading(held) * c.block_size
 
     def _choose(self, candidates: list[Candidate], num_tokens: int, affinity: str | None) -> tuple[Candidate, str]:
         least = min(c.load for c in candidates)
@@ -166,6 +188,12 @@ class Router:
         random.shuffle(fair)  # equal costs: no replica is everyone's first choice
         best = min(fair, key=lambda c: (num_tokens - c.cached_tokens + self.load_weight * c.load, c.load))
         return best, ("prefix" if best.cached_tokens else "load")
+
+
+def _leading(held: list) -> int:
+    """How many of the prompt's blocks, from the first on, a replica holds (a later block without the first is of
+    no use)."""
+    return next((i for i, h in enumerate(held) if not h), len(held))
 
 
 def _info(raw: str | None) -> dict | None:
