@@ -120,8 +120,10 @@ class _Server(uvicorn.Server):
         self.service = state
 
     def handle_exit(self, sig, frame) -> None:
-        if self.service.replica is not None:
-            self.service.replica.state.pulling.clear()
+        if (replica := self.service.replica) is not None:
+            replica.state.pulling.clear()
+            # routers must stop sending to it now, not at the next heartbeat (off the signal handler: Redis may hang)
+            threading.Thread(target=replica.roles["control"].announce, daemon=True).start()
         super().handle_exit(sig, frame)
 
 

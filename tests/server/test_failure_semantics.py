@@ -139,20 +139,21 @@ def test_sigterm_stops_intake_at_once_while_open_streams_drain(tiny_llama_dir, r
                 assert replica.proc.poll() is None
                 late = GenerationRequest(prompt="late", params=SamplingOptions(max_tokens=2, **GREEDY))
 
-                async def submit() -> str:
+                async def submit() -> tuple[str, str]:
                     client = EngineClient(redis_server.url, keys)
                     try:
                         sub = await client.submit(late)
                         await sub.close()
-                        return sub.entry_id
+                        return sub.entry_id, sub.stream
                     finally:
                         await client.close()
 
-                entry = run(submit())
+                entry, stream = run(submit())
+                assert stream == keys.stream  # the replica said at the signal that it takes no more: not routed to it
                 time.sleep(1.5)
                 # still in the stream, delivered to nobody, no result: the stopping replica did not take it
-                assert sync_redis.xrange(keys.stream, entry, entry), "the stopping replica ran new work"
-                delivered = {p["message_id"] for p in sync_redis.xpending_range(keys.stream, keys.group, "-", "+", 10)}
+                assert sync_redis.xrange(stream, entry, entry), "the stopping replica ran new work"
+                delivered = {p["message_id"] for p in sync_redis.xpending_range(stream, keys.group, "-", "+", 10)}
                 assert entry not in delivered and not sync_redis.exists(keys.result(late.request_id))
     finally:
         replica.kill()
