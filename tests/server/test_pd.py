@@ -92,11 +92,12 @@ def test_an_expired_transfer_is_computed_again_by_the_decode_replica(spawn_repli
         return ev
 
     done = run(main(), 60)
+    assert not sync_redis.keys(keys.kv_transfer("*")) and sync_redis.xlen(keys.replica_stream("D")) == 0
     assert done.outputs[0].token_ids == want.outputs[0].token_ids
     assert done.metrics.handover["imported_tokens"] == 0 and done.metrics.cached_prompt_tokens == 0
 
 
-def test_a_killed_decode_replica_hands_its_requests_on_exactly_once(spawn_replica, redis_server, keys,
+def test_a_killed_decode_replica_hands_its_requests_on_exactly_once(spawn_replica, redis_server, keys, sync_redis,
                                                                     reference_engine):
     p, d = _pd(spawn_replica)
     prompts = [random_prompt(40, seed=30 + i) for i in range(3)]
@@ -117,6 +118,10 @@ def test_a_killed_decode_replica_hands_its_requests_on_exactly_once(spawn_replic
         return results, watch.dones
 
     results, dones = run(main(), 150)
+    # nothing leaked by the fault: no transfer key, no queued entry, every block of the survivor free again
+    assert not sync_redis.keys(keys.kv_transfer("*"))
+    assert all(sync_redis.xlen(stream) == 0 for stream in sync_redis.smembers(keys.streams))
+    wait_until(lambda: scrape_metrics(p.url).get("decodelab_kv_blocks[used]") == 0, 10, what="P's blocks all free")
     assert [x.outputs[0].token_ids for x in results] == want
     assert all(x.metrics.replica == "P" for x in results)
     assert dones == Counter({x.request_id: 1 for x in results})
