@@ -115,3 +115,4 @@ class Replica:
         for t in self._threads:
             t.join(timeout)
         s.redis.close()
+        s.kv_connector.close()  # its own connection pool (bytes, for KV transfers)
