@@ -38,15 +38,16 @@ def load_kv_tile(k_ptr, v_ptr, bt_row_ptr, t, tmask, kvh, d, D, stride_kb, strid
                  PAGE: tl.constexpr, UPCAST: tl.constexpr, ks_ptr, vs_ptr, HKV: tl.constexpr,
                  QUANT: tl.constexpr, out_dtype: tl.constexpr):
     # K and V rows of one sequence's context positions `t`, found through its block table row;
-    # QUANT: int8 rows times their block's per-head scale ([num_blocks, Hkv] fp32, kernels/kv_int8.py), as out_dtype
+    # QUANT: int8 rows times their own per-head scale ([num_blocks, PAGE, Hkv] fp32, kernels/kv_int8.py), as out_dtype
     blk = tl.load(bt_row_ptr + t // PAGE, mask=tmask, other=0).to(tl.int64)
     row = blk * stride_kb + (t % PAGE) * stride_kt + kvh * stride_kh
+    srow = (blk * PAGE + t % PAGE) * HKV + kvh
     kv_mask = tmask[:, None] & (d[None, :] < D)
     k = tl.load(k_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0)
     v = tl.load(v_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0)
     if QUANT:
-        ks = tl.load(ks_ptr + blk * HKV + kvh, mask=tmask, other=0.0)
-        vs = tl.load(vs_ptr + blk * HKV + kvh, mask=tmask, other=0.0)
+        ks = tl.load(ks_ptr + srow, mask=tmask, other=0.0)
+        vs = tl.load(vs_ptr + srow, mask=tmask, other=0.0)
         k = (k.to(tl.float32) * ks[:, None]).to(out_dtype)
         v = (v.to(tl.float32) * vs[:, None]).to(out_dtype)
     if UPCAST:

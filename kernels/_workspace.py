@@ -23,7 +23,7 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, name: str) -> to
 
 def gather_dequant(cache: torch.Tensor, scale: torch.Tensor | None, block_ids: torch.Tensor, name: str,
                    dtype: torch.dtype) -> torch.Tensor:
-    # gather_blocks, then for an int8 cache (kv_int8.py) times scale[block, head] into a reused `dtype` buffer
+    # gather_blocks, then for an int8 cache (kv_int8.py) times scale[block, slot, head] into a reused `dtype` buffer
     blocks = gather_blocks(cache, block_ids, name)
     if scale is None:
         return blocks
@@ -33,4 +33,4 @@ def gather_dequant(cache: torch.Tensor, scale: torch.Tensor | None, block_ids: t
     buf = buffers.get(key)
     if buf is None or buf.shape[0] < n:
         buf = buffers[key] = torch.empty((max(n, 64), *cache.shape[1:]), dtype=dtype, device=cache.device)
-    return torch.mul(blocks, scale[block_ids][:, None, :, None], out=buf[:n])
+    return torch.mul(blocks, scale[block_ids][..., None], out=buf[:n])

@@ -8,7 +8,7 @@ from kernels._triton import require_triton, tl, triton
 def copy_blocks_torch(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
                       kv_scales: torch.Tensor | None = None) -> None:
     # kv_cache [L, 2, num_blocks, block_size, Hkv, D]; copies block src[i] -> dst[i] in every layer, K and V;
-    # an int8 cache's scales kv_scales [L, 2, num_blocks, Hkv] (kv_int8.py) travel with their blocks
+    # an int8 cache's scales kv_scales [L, 2, num_blocks, block_size, Hkv] (kv_int8.py) travel with their blocks
     assert src.shape == dst.shape and src.dim() == 1
     if src.numel() == 0:
         return
@@ -42,5 +42,5 @@ def copy_blocks_triton(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Ten
     chunk = min(1024, triton.next_power_of_2(block_numel))
     grid = (src.numel(), layers * two, triton.cdiv(block_numel, chunk))
     _copy_blocks_kernel[grid](kv_cache, src, dst, num_blocks * block_numel, BLOCK_NUMEL=block_numel, CHUNK=chunk)
-    if kv_scales is not None:  # [L, 2, num_blocks, Hkv]: the same copy with Hkv elements per block
+    if kv_scales is not None:  # [L, 2, num_blocks, block_size, Hkv]: the same copy, block_size * Hkv per block
         copy_blocks_triton(kv_scales, src, dst)

@@ -2,7 +2,7 @@
    read in place through the block table (no gather into a padded copy, no mask, no per-layer plan).
 
    q [B, H, D] fp32 (row stride ldq, heads contiguous); caches [num_blocks, block_size, Hkv, D], fp32 or int8
-   (an int8 cache reads back as value * scale[block, head], kernels/kv_int8.py); block_tables [B, *] int32 (row
+   (an int8 cache reads back as value * scale[block, slot, head], kernels/kv_int8.py: the scale of row r at r / D); block_tables [B, *] int32 (row
    stride ldbt); context_lens [B] int32; out [B, H, D] fp32 contiguous.
 
    One task per (sequence, KV head) computes its G = H / Hkv query heads, the group's K/V rows of a chunk of CHUNK
@@ -43,7 +43,7 @@ static inline __attribute__((always_inline)) void task(
     float qs[MAX_G][MAX_D] __attribute__((aligned(32)));
     float acc[MAX_G][MAX_D] __attribute__((aligned(32)));
     float p[MAX_G][CHUNK] __attribute__((aligned(32)));  /* a chunk's scores, then their weights */
-    float fk[CHUNK], fv[CHUNK];  /* an int8 cache's scale of each token's block */
+    float fk[CHUNK], fv[CHUNK];  /* an int8 cache's scale of each token's row */
     int64_t row[CHUNK];
     float m[MAX_G], l[MAX_G];
     for (int64_t g = 0; g < G; g++) {
@@ -55,10 +55,10 @@ static inline __attribute__((always_inline)) void task(
     for (int64_t c = 0; c < ctx; c += CHUNK) {
         int64_t n = ctx - c < CHUNK ? ctx - c : CHUNK, n4 = (n + 3) & ~3, n8 = (n + 7) & ~7;
         for (int64_t t = 0; t < n8; t++) {  /* rows past n repeat the last one: computed, then given weight 0 */
-            int64_t pos = c + (t < n ? t : n - 1), blk = table[pos / bs];
-            row[t] = ((blk * bs + pos % bs) * hkv + h) * D;
-            fk[t] = I8 ? ks[blk * hkv + h] : 1.0f;
-            fv[t] = I8 ? vs[blk * hkv + h] : 1.0f;
+            int64_t pos = c + (t < n ? t : n - 1), blk = table[pos / bs], srow = (blk * bs + pos % bs) * hkv + h;
+            row[t] = srow * D;
+            fk[t] = I8 ? ks[srow] : 1.0f;
+            fv[t] = I8 ? vs[srow] : 1.0f;
         }
         for (int64_t g = 0; g < G; g++) {  /* scores, 4 tokens at a time */
             for (int64_t t = 0; t < n4; t += 4) {

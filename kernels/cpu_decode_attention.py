@@ -56,7 +56,7 @@ class DecodeTables:
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
         """q [B, H, D] (supports(q, k_cache); heads contiguous) -> [B, H, D]. The caches (and an int8 cache's
-        contiguous scales [num_blocks, Hkv]) as the engine allocates them: contiguous, one dtype."""
+        contiguous scales [num_blocks, block_size, Hkv]) as the engine allocates them: contiguous, one dtype."""
         b, h, d = q.shape
         if q.stride(2) != 1 or q.stride(1) != d:
             q = q.contiguous()
@@ -74,8 +74,9 @@ class DecodeTables:
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """As kernels.paged_decode_attention_torch: q [B, H, D] -> [B, H, D]; k_scale / v_scale [num_blocks, Hkv] for
-    an int8 cache. Every context length must be >= 1 and every block id it covers valid (not checked here)."""
+    """As kernels.paged_decode_attention_torch: q [B, H, D] -> [B, H, D]; k_scale / v_scale
+    [num_blocks, block_size, Hkv] for an int8 cache. Every context length must be >= 1 and every block id it covers
+    valid (not checked here)."""
     if (why := unavailable()) is not None:
         raise RuntimeError(f"kernels/cpu_decode_attention.c is not available: {why}")
     assert supports(q, k_cache), "see supports()"

@@ -28,7 +28,7 @@ def paged_decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache
                                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                                  k_scale: torch.Tensor | None = None,
                                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    # k_scale / v_scale [num_blocks, Hkv]: the scales of int8 caches (kv_int8.py), None for float caches
+    # k_scale / v_scale [num_blocks, block_size, Hkv]: the scales of int8 caches (kv_int8.py), None for float caches
     assert q.shape[1] % k_cache.shape[2] == 0 and q.shape[0] == block_tables.shape[0] == context_lens.shape[0]
     out = torch.empty_like(q)
     if q.shape[0] == 0:

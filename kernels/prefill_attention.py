@@ -73,7 +73,7 @@ def prefill_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
                             block_tables: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
                             v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    # k_scale / v_scale [num_blocks, Hkv]: the scales of int8 caches (kv_int8.py), None for float caches.
+    # k_scale / v_scale [num_blocks, block_size, Hkv]: the scales of int8 caches (kv_int8.py), None for float caches.
     # Per sequence (few per step): gather its cached K/V, SDPA with a causal-with-offset mask; a plan made for
     # this one call (the engine keeps one per step)
     plan = PrefillPlan.of(cu_seqlens_q, context_lens, block_tables, k_cache.shape[1], q.shape[1] // k_cache.shape[2])

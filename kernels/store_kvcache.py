@@ -1,9 +1,10 @@
 import torch
 
 from kernels._triton import require_triton, tl, triton
-from kernels.kv_int8 import BlockWrites, store_int8_torch, update_block_scales
+from kernels.kv_int8 import QMAX, store_int8_torch
 
-# int8 caches (kv_int8.py) take k_scale / v_scale [num_blocks, Hkv] fp32, updated here with the values.
+# int8 caches (kv_int8.py) take k_scale / v_scale [num_blocks, block_size, Hkv] fp32: each row's scale is written
+# here with it.
 
 
 def store_kvcache_torch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -29,9 +30,9 @@ def store_kvcache_torch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.T
 def _store_kvcache_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                           stride_kn, stride_kh, stride_vn, stride_vh, ks_ptr, vs_ptr,
                           HKV: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                          PAGE: tl.constexpr, QUANT: tl.constexpr):
+                          QUANT: tl.constexpr, QMAX_F: tl.constexpr):
     # one program per new token: copies its [Hkv, D] K and V rows to cache row `slot`
-    # (QUANT: rounds them to int8 with their block's per-head scales, already updated for this step)
+    # (QUANT: rounds them to int8, each head with its own scale max |x| / 127, stored beside at slot * Hkv + head)
     i = tl.program_id(0)
     slot = tl.load(slot_ptr + i)
     if slot < 0:
@@ -39,13 +40,17 @@ def _store_kvcache_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
     mask = (h < HKV) & (d < D)
-    k = tl.load(key_ptr + i * stride_kn + h * stride_kh + d, mask=mask)
-    v = tl.load(value_ptr + i * stride_vn + h * stride_vh + d, mask=mask)
+    k = tl.load(key_ptr + i * stride_kn + h * stride_kh + d, mask=mask, other=0.0)
+    v = tl.load(value_ptr + i * stride_vn + h * stride_vh + d, mask=mask, other=0.0)
     dst = slot.to(tl.int64) * (HKV * D) + h * D + d
     if QUANT:
-        srow = (slot // PAGE).to(tl.int64) * HKV + h
-        k = k.to(tl.float32) / tl.load(ks_ptr + srow, mask=h < HKV, other=1.0)
-        v = v.to(tl.float32) / tl.load(vs_ptr + srow, mask=h < HKV, other=1.0)
+        srow = slot.to(tl.int64) * HKV + h
+        ks = tl.maximum(tl.max(tl.abs(k.to(tl.float32)), 1, keep_dims=True), 1e-12) / QMAX_F
+        vs = tl.maximum(tl.max(tl.abs(v.to(tl.float32)), 1, keep_dims=True), 1e-12) / QMAX_F
+        tl.store(ks_ptr + srow, ks, mask=h < HKV)
+        tl.store(vs_ptr + srow, vs, mask=h < HKV)
+        k = k.to(tl.float32) / ks
+        v = v.to(tl.float32) / vs
         # round half away from zero (torch rounds half to even: a tie may differ by one step)
         k = tl.minimum(tl.maximum(tl.where(k >= 0, k + 0.5, k - 0.5), -127.0), 127.0)
         v = tl.minimum(tl.maximum(tl.where(v >= 0, v + 0.5, v - 0.5), -127.0), 127.0)
@@ -65,16 +70,8 @@ def store_kvcache_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.
     if n == 0:
         return
     quant = k_scale is not None
-    if quant:
-        # the per-block scale update is torch ops (a cross-token max plus re-quantization of grown blocks)
-        valid = slot_mapping >= 0
-        if bool(valid.any()):
-            slots = slot_mapping[valid]
-            writes = BlockWrites.of(slots, k_cache.shape[1])
-            update_block_scales(key[valid], slots, k_cache, k_scale, writes)
-            update_block_scales(value[valid], slots, v_cache, v_scale, writes)
     _store_kvcache_kernel[(n,)](key, value, k_cache, v_cache, slot_mapping,
                                 key.stride(0), key.stride(1), value.stride(0), value.stride(1),
                                 k_scale if quant else k_cache, v_scale if quant else v_cache,
                                 HKV=hkv, D=d, BLOCK_H=triton.next_power_of_2(hkv), BLOCK_D=triton.next_power_of_2(d),
-                                PAGE=k_cache.shape[1], QUANT=quant)
+                                QUANT=quant, QMAX_F=QMAX)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import kernels
 from kernels import cpu_decode_attention
 from kernels._workspace import gather_dequant
-from kernels.kv_int8 import BlockWrites, store_int8_torch
+from kernels.kv_int8 import store_int8_torch
 from kernels.prefill_attention import PrefillPlan
 
 _GROUP = 8  # sequences per padded decode group, as in kernels/paged_decode_attention.py (see docs/kernels.md)
@@ -53,7 +53,8 @@ class DecodePlan:
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
-        # k_scale / v_scale: an int8 cache's [num_blocks, Hkv] scales (kernels/kv_int8.py): gather, then dequantize
+        # k_scale / v_scale: an int8 cache's [num_blocks, block_size, Hkv] scales (kernels/kv_int8.py): gather, then
+        # dequantize
         b, h, d = q.shape
         bs, hkv = k_cache.shape[1], k_cache.shape[2]
         out = None if self.groups[0].rows is None else torch.empty_like(q)
@@ -92,7 +93,6 @@ class AttentionMetadata:
     _prefill_plan: PrefillPlan | None = field(default=None, repr=False, compare=False)
     _store_slots: torch.Tensor | None = field(default=None, repr=False, compare=False)
     _store_rows: torch.Tensor | None = field(default=None, repr=False, compare=False)
-    _block_writes: BlockWrites | None = field(default=None, repr=False, compare=False)
 
     def decode_plan(self, block_size: int) -> DecodePlan:
         if self._decode_plan is None:
@@ -109,12 +109,6 @@ class AttentionMetadata:
             self._prefill_plan = PrefillPlan.of(self.prefill_cu_seqlens_q, self.prefill_context_lens,
                                                 self.prefill_block_tables, block_size, group)
         return self._prefill_plan
-
-    def block_writes(self, block_size: int) -> BlockWrites:
-        """An int8 cache's per-step bookkeeping of the blocks the step writes (kernels/kv_int8.py)."""
-        if self._block_writes is None:
-            self._block_writes = BlockWrites.of(self.store_slots()[0], block_size)
-        return self._block_writes
 
     def store_slots(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The slots to write and the rows they take (None: every row; slot -1 is padding, skipped)."""
@@ -196,7 +190,7 @@ def _store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         k, v = k[rows], v[rows]
     if k_scale is not None:
         if slots.numel():
-            store_int8_torch(k, v, k_cache, v_cache, k_scale, v_scale, slots, meta.block_writes(k_cache.shape[1]))
+            store_int8_torch(k, v, k_cache, v_cache, k_scale, v_scale, slots)
         return
     hkv, d = k.shape[1:]
     if c_store:

@@ -34,7 +34,7 @@ class EngineConfig:
     # "int8": int8 weights, dynamically quantized activations (int8_linear.py); "none" (a flag's way to ask for
     # the float weights where a command defaults to int8) is None
     quantization: str | None = None
-    kv_cache_dtype: str = "auto"  # "auto": the model dtype; "int8": int8 K/V, per-(block, head) scales (kv_int8.py)
+    kv_cache_dtype: str = "auto"  # "auto": the model dtype; "int8": int8 K/V, per-(token, head) scales (kv_int8.py)
 
     def __post_init__(self) -> None:
         self.device = resolve_device(self.device)

@@ -95,7 +95,7 @@ class DecodeGraphs:
 def decode_graphs_for(runner) -> DecodeGraphs | None:
     """Captured graphs for the runner's model on CUDA with the Triton backend, unless enforce_eager."""
     config = runner.config
-    # an int8 KV cache's scale update syncs with the host (kernels/kv_int8.py): it runs eager
+    # an int8 KV cache runs eager: the per-token store no longer syncs with the host, but capture with it is untested
     if (runner.device.type != "cuda" or config.enforce_eager or config.attention_backend != "triton"
             or config.kv_cache_dtype == "int8"):
         return None

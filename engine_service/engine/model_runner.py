@@ -76,8 +76,9 @@ class ModelRunner:
         c = self.hf_config
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
         values = 2 * c.num_hidden_layers * self.config.block_size * c.num_key_value_heads * head_dim(c) * elem
-        scales = 2 * c.num_hidden_layers * c.num_key_value_heads * 4 if self.kv_dtype == torch.int8 else 0
-        return values + scales  # int8: ~4x the blocks of fp32 in the same budget (3.98x at block_size 16, D 64)
+        scales = 2 * c.num_hidden_layers * self.config.block_size * c.num_key_value_heads * 4 \
+            if self.kv_dtype == torch.int8 else 0
+        return values + scales  # int8: 4D / (D + 4) the blocks of fp32 in the same budget (3.76x at D 64)
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -98,8 +99,9 @@ class ModelRunner:
         # zeros, not empty: masked-out slots are multiplied by 0 and must not hold NaN
         kv = torch.zeros(c.num_hidden_layers, 2, num_blocks, self.config.block_size, c.num_key_value_heads,
                          head_dim(c), dtype=self.kv_dtype, device=self.device)
-        # int8: one fp32 scale per (layer, K/V, block, KV head), kernels/kv_int8.py; copied with its block
-        self.kv_scales = (torch.zeros(c.num_hidden_layers, 2, num_blocks, c.num_key_value_heads, device=self.device)
+        # int8: one fp32 scale per (layer, K/V, block, slot, KV head), kernels/kv_int8.py; copied with its block
+        self.kv_scales = (torch.zeros(c.num_hidden_layers, 2, num_blocks, self.config.block_size,
+                                      c.num_key_value_heads, device=self.device)
                           if self.kv_dtype == torch.int8 else None)
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.k_cache, layer.self_attn.v_cache = kv[i, 0], kv[i, 1]

@@ -19,9 +19,9 @@ TOL = {torch.float32: 2e-5, torch.float16: 3e-3}
 def test_store_triton_writes_what_torch_writes_in_chunks_with_padding():
     qkv = torch.randn(20, 4 + 2 * 2, 16)  # K and V as strided views of a fused qkv
     key, value = qkv[:, 4:6], qkv[:, 6:8]
-    key[9:] *= 3.0  # later chunks exceed the first ones' scales: blocks grow and are re-quantized
+    key[9:] *= 3.0  # louder rows beside quiet ones in a block: each keeps its own scale
     slots = torch.tensor([8 * 3 + p % 8 if p < 8 else 8 * 1 + p % 8 if p < 16 else 8 * 4 + p % 8 for p in range(20)])
-    pools = [[torch.zeros(6, 8, 2, 16, dtype=torch.int8) for _ in range(2)] + [torch.zeros(6, 2) for _ in range(2)]
+    pools = [[torch.zeros(6, 8, 2, 16, dtype=torch.int8) for _ in range(2)] + [torch.zeros(6, 8, 2) for _ in range(2)]
              for _ in range(2)]
     for lo, hi in [(0, 5), (5, 6), (6, 20)]:
         s = torch.cat([slots[lo:hi], torch.tensor([-1])])
@@ -29,14 +29,18 @@ def test_store_triton_writes_what_torch_writes_in_chunks_with_padding():
         store_kvcache_torch(k, v, *pools[0][:2], s, *pools[0][2:])
         store_kvcache_triton(k, v, *pools[1][:2], s, *pools[1][2:])
     for want, got in zip(pools[0], pools[1]):
-        # same scales; int8 values equal but for exact .5 ties (torch rounds half to even, the kernel away from 0)
-        assert (want.float() - got.float()).abs().max() <= (1 if want.dtype == torch.int8 else 0)
+        # same scales (to fp32 rounding); int8 values equal but for .5 ties (torch rounds half to even, the kernel
+        # away from 0)
+        if want.dtype == torch.int8:
+            assert (want.float() - got.float()).abs().max() <= 1
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
     assert pools[1][0].abs().sum() > 0
 
 
 def test_copy_blocks_triton_copies_scales():
     kv = torch.randint(-127, 128, (2, 2, 6, 8, 2, 16), dtype=torch.int8)
-    scales = torch.rand(2, 2, 6, 2)
+    scales = torch.rand(2, 2, 6, 8, 2)
     want_kv, want_scales = kv.clone(), scales.clone()
     src, dst = torch.tensor([0, 3]), torch.tensor([5, 1])
     copy_blocks_torch(want_kv, src, dst, want_scales)

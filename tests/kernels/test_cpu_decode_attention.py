@@ -52,7 +52,7 @@ def test_an_int8_cache_reads_as_its_dequantized_values(block_size):
     g = torch.Generator().manual_seed(3)
     kc = torch.randint(-127, 128, cache.k_cache.shape, dtype=torch.int8, generator=g)
     vc = torch.randint(-127, 128, cache.v_cache.shape, dtype=torch.int8, generator=g)
-    ks, vs = (torch.rand(kc.shape[0], 2, generator=g) * 0.02 + 1e-3 for _ in range(2))
+    ks, vs = (torch.rand(kc.shape[0], block_size, 2, generator=g) * 0.02 + 1e-3 for _ in range(2))
     q = torch.randn(4, 6, 64, generator=g)
     got = cpu_decode_attention.paged_decode(q, kc, vc, cache.block_tables, cache.context_lens, 0.125, ks, vs)
     want = reference(q, dequantize(kc, ks, torch.float64), dequantize(vc, vs, torch.float64), cache, 0.125)

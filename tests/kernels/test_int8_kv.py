@@ -1,6 +1,7 @@
-"""INT8 KV cache (kernels/kv_int8.py): per-(block, head) scales that grow as a block fills, the dequantized
-cache within one int8 step of what was written, attention over it close to the fp32 cache's, scales copied
-with their blocks. The Triton paths are checked against these torch ones in int8_triton_cases.py."""
+"""INT8 KV cache (kernels/kv_int8.py): one scale per (token, head) set when the row is written, every value read back
+within half an int8 step of what was written whatever came before or after, attention over it close to the fp32
+cache's, scales copied with their blocks. The Triton paths are checked against these torch ones in
+int8_triton_cases.py."""
 import os
 import subprocess
 import sys
@@ -23,7 +24,7 @@ BS, HKV, D = 4, 2, 16
 
 def int8_pool(num_blocks: int, block_size: int = BS, hkv: int = HKV, d: int = D):
     caches = [torch.zeros(num_blocks, block_size, hkv, d, dtype=torch.int8) for _ in range(2)]
-    scales = [torch.zeros(num_blocks, hkv) for _ in range(2)]
+    scales = [torch.zeros(num_blocks, block_size, hkv) for _ in range(2)]
     return caches, scales
 
 
@@ -32,15 +33,15 @@ def slots_of(table: list[int], positions, block_size: int = BS) -> list[int]:
 
 
 # A step writes the next chunk of some sequences in one call (padding between them); a sequence may
-# restart from position 0 (preemption / a block reused by a new owner). Magnitudes vary per chunk, so
-# later tokens often exceed a block's scale and make it grow.
+# restart from position 0 (preemption / a block reused by a new owner). Magnitudes vary per chunk: a loud
+# token must not cost its block's quiet ones their precision (the old per-block scale did).
 step_st = st.lists(st.tuples(st.integers(0, 2), st.integers(1, 7), st.sampled_from([0.01, 1.0, 30.0]),
                              st.booleans()), min_size=1, max_size=12)
 
 
 @settings(max_examples=60, deadline=None)
 @given(steps=step_st, seed=st.integers(0, 10_000))
-def test_dequantized_cache_is_within_one_step_of_the_block_final_scale(steps, seed):
+def test_every_value_reads_back_within_half_a_step_of_its_own_row_scale(steps, seed):
     g = torch.Generator().manual_seed(seed)
     tables = [[0, 5, 2, 7], [3, 1, 4, 8], [6, 9, 10, 11]]  # 4 blocks of 4 = 16 positions each
     (kc, vc), (ks, vs) = int8_pool(12)
@@ -63,26 +64,25 @@ def test_dequantized_cache_is_within_one_step_of_the_block_final_scale(steps, se
         for cache, scale, written in ((kc, ks, written_k[seq]), (vc, vs, written_v[seq])):
             for p, x in written.items():
                 blk, off = table[p // BS], p % BS
-                got = cache[blk, off].float() * scale[blk][:, None]
-                bound = scale[blk][:, None] * 1.0001 + 1e-9  # one int8 step of the block's final scale
-                assert ((got - x).abs() <= bound).all(), (seq, p, (got - x).abs().max(), scale[blk])
+                torch.testing.assert_close(scale[blk, off], x.abs().amax(-1) / QMAX)  # its own max, nobody else's
+                got = cache[blk, off].float() * scale[blk, off][:, None]
+                bound = scale[blk, off][:, None] * 0.5001 + 1e-9  # half an int8 step of the row's own scale
+                assert ((got - x).abs() <= bound).all(), (seq, p, (got - x).abs().max(), scale[blk, off])
 
 
-def test_a_block_written_at_once_gets_the_exact_max_and_decode_growth_at_least_doubles():
+def test_a_louder_token_later_leaves_the_rows_before_it_untouched():
     (kc, vc), (ks, vs) = int8_pool(2)
-    k = torch.randn(BS, HKV, D)
-    store_kvcache_torch(k, k, kc, vc, torch.arange(BS), ks, vs)
-    torch.testing.assert_close(ks[0], k.abs().amax((0, 2)) / QMAX)
-    (kc, vc), (ks, vs) = int8_pool(2)
+    k = torch.randn(2, HKV, D)
     store_kvcache_torch(k[:1], k[:1], kc, vc, torch.tensor([0]), ks, vs)
-    first = ks[0].clone()
-    store_kvcache_torch(k[:1] * 1.1, k[:1] * 1.1, kc, vc, torch.tensor([1]), ks, vs)
-    torch.testing.assert_close(ks[0], 2 * first)  # 1.1x the max: the scale doubles (the error bound's reason)
+    before = (kc[0, 0].clone(), ks[0, 0].clone())
+    store_kvcache_torch(k[1:] * 100, k[1:] * 100, kc, vc, torch.tensor([1]), ks, vs)
+    assert torch.equal(kc[0, 0], before[0]) and torch.equal(ks[0, 0], before[1])
+    torch.testing.assert_close(ks[0, 1], 100 * k[1].abs().amax(-1) / QMAX)
 
 
 def test_copy_blocks_copies_the_scales_with_the_blocks():
     kv = torch.randint(-127, 128, (2, 2, 5, BS, HKV, D), dtype=torch.int8)
-    scales = torch.rand(2, 2, 5, HKV)
+    scales = torch.rand(2, 2, 5, BS, HKV)
     want_kv, want_scales = kv.clone(), scales.clone()
     want_kv[:, :, [3, 4]] = kv[:, :, [0, 2]]
     want_scales[:, :, [3, 4]] = scales[:, :, [0, 2]]
@@ -140,7 +140,7 @@ def test_dequantize_reads_back_the_stored_values():
     k = torch.randn(3 * BS, HKV, D)
     store_kvcache_torch(k, k, kc, vc, torch.arange(3 * BS), ks, vs)
     got = dequantize(kc, ks, torch.float32).view(-1, HKV, D)
-    assert ((got - k).abs() <= ks.repeat_interleave(BS, 0)[:, :, None] / 2 + 1e-7).all()  # exact max: half a step
+    assert ((got - k).abs() <= ks.view(-1, HKV)[:, :, None] / 2 + 1e-7).all()  # half a step of the row's scale
 
 
 def test_triton_int8_kernels_match_torch_under_the_interpreter():
