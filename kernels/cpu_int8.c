@@ -1,4 +1,4 @@
-/* grouped 8-bit weights x int16-quantized activations on x86 CPUs with AVX2: y = x @ w.T (+ bias).
+/* grouped 8-bit (or 4-bit) weights x int16-quantized activations on x86 CPUs with AVX2: y = x @ w.T (+ bias).
 
    w [N, K] comes as kernels/cpu_int8.py `GroupedInt8`: w[n, k] = d[n, g] * u[n, k] + m[n, g], g = k / 32, u
    uint8, an fp32 step d and offset m per group of 32 weights: each group's 256 levels span its own [min, max]
@@ -77,9 +77,23 @@ static inline __m256i wl(const uint8_t* p) { return _mm256_cvtepu8_epi16(_mm_loa
 static inline __m256i xl(const int16_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
 /* one output's integer sum over a weight group (two k-steps, 64 bytes apart in the stream): xa . w + xb . w', in
    8 int32 lanes (at most 4 * 32767 * 255 each: no overflow) */
-static inline __m256i gsum(__m256i xa, __m256i xb, const uint8_t* w) {
+static inline __m256i gsum8(__m256i xa, __m256i xb, const uint8_t* w) {
     return _mm256_add_epi32(_mm256_madd_epi16(xa, wl(w)), _mm256_madd_epi16(xb, wl(w + 64)));
 }
+/* the same from 4-bit codes (`pack4`): 16 bytes hold the group's 32 codes, byte j = u[j] | u[16 + j] << 4; zero-
+   extended to int16, the low nibbles are k-step a and the high ones (a shift) k-step b: as many operations as the
+   8-bit form, half the bytes */
+static inline __m256i gsum4(__m256i xa, __m256i xb, const uint8_t* w) {
+    __m256i v = wl(w);
+    return _mm256_add_epi32(_mm256_madd_epi16(xa, _mm256_and_si256(v, _mm256_set1_epi16(0x0F))),
+                            _mm256_madd_epi16(xb, _mm256_srli_epi16(v, 4)));
+}
+#define gsum(xa, xb, w) (nib ? gsum4(xa, xb, w) : gsum8(xa, xb, w))
+/* a k-step pair (32 k) of a group of 4 output rows: 128 bytes of 8-bit codes, 64 of 4-bit ones; one prefetch a line */
+#define STRIDE (nib ? 64 : 128)
+#define PREFETCH(g, ahead) do { _mm_prefetch((const char*)(g) + (ahead), _MM_HINT_T0); \
+    if (!nib) _mm_prefetch((const char*)(g) + 64 + (ahead), _MM_HINT_T0); } while (0)
+#define BLOCK static inline __attribute__((always_inline)) void
 /* f += float(sum) * the group's step: the one float operation per group and accumulator, in every block */
 #define FOLD(f, sum, d) f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_broadcast_ss(&(d)), f)
 /* Pins accumulators to registers across the loop: without it GCC 12 adds into a temporary and copies it back
@@ -104,12 +118,11 @@ static inline __m128 reduce4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
    m: the offsets of the first output row, Gp apart. Each is written out with named accumulators: one generic block
    over arrays (tried) spilled them and ran 4 rows ~1.4x slower. s[i][j]: row i, output j (of the 2 at g for the
    x2 blocks). Each k-step prefetches `ahead` bytes on. */
-static void block_1x4(const int16_t* x, const float* xsum, int64_t Kp, int64_t Gp, const uint8_t* g, const float* d,
-                      const float* m, int64_t ahead, float s[4][4]) {
+BLOCK block_1x4(const int16_t* x, const float* xsum, int64_t Kp, int64_t Gp, const uint8_t* g, const float* d,
+                const float* m, int64_t ahead, float s[4][4], const int nib) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int64_t k = 0; k < Kp; k += 32, g += 128, d += 4) {
-        _mm_prefetch((const char*)g + ahead, _MM_HINT_T0);
-        _mm_prefetch((const char*)g + 64 + ahead, _MM_HINT_T0);
+    for (int64_t k = 0; k < Kp; k += 32, g += STRIDE, d += 4) {
+        PREFETCH(g, ahead);
         __m256i xa = xl(x + k), xb = xl(x + k + 16);
         FOLD(a0, gsum(xa, xb, g), d[0]); FOLD(a1, gsum(xa, xb, g + 16), d[1]);
         FOLD(a2, gsum(xa, xb, g + 32), d[2]); FOLD(a3, gsum(xa, xb, g + 48), d[3]);
@@ -120,12 +133,11 @@ static void block_1x4(const int16_t* x, const float* xsum, int64_t Kp, int64_t G
     _mm_storeu_ps(s[0], reduce4(a0, a1, a2, a3));
 }
 
-static void block_2x4(const int16_t* x, const float* xsum, int64_t Kp, int64_t Gp, const uint8_t* g, const float* d,
-                      const float* m, int64_t ahead, float s[4][4]) {
+BLOCK block_2x4(const int16_t* x, const float* xsum, int64_t Kp, int64_t Gp, const uint8_t* g, const float* d,
+                const float* m, int64_t ahead, float s[4][4], const int nib) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-    for (int64_t k = 0; k < Kp; k += 32, g += 128, d += 4) {
-        _mm_prefetch((const char*)g + ahead, _MM_HINT_T0);
-        _mm_prefetch((const char*)g + 64 + ahead, _MM_HINT_T0);
+    for (int64_t k = 0; k < Kp; k += 32, g += STRIDE, d += 4) {
+        PREFETCH(g, ahead);
         __m256i xa = xl(x + k), xb = xl(x + k + 16), ya = xl(x + Kp + k), yb = xl(x + Kp + k + 16);
         FOLD(a0, gsum(xa, xb, g), d[0]); FOLD(b0, gsum(ya, yb, g), d[0]);
         FOLD(a1, gsum(xa, xb, g + 16), d[1]); FOLD(b1, gsum(ya, yb, g + 16), d[1]);
@@ -141,12 +153,11 @@ static void block_2x4(const int16_t* x, const float* xsum, int64_t Kp, int64_t G
     _mm_storeu_ps(s[1], reduce4(b0, b1, b2, b3));
 }
 
-static void block_3x2(const int16_t* x, const float* xsum, int64_t Kp, int64_t Gp, const uint8_t* g, const float* d,
-                      const float* m, int64_t ahead, float s[4][4]) {
+BLOCK block_3x2(const int16_t* x, const float* xsum, int64_t Kp, int64_t Gp, const uint8_t* g, const float* d,
+                const float* m, int64_t ahead, float s[4][4], const int nib) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, c0 = a0, c1 = a0;
-    for (int64_t k = 0; k < Kp; k += 32, g += 128, d += 4) {
-        _mm_prefetch((const char*)g + ahead, _MM_HINT_T0);
-        _mm_prefetch((const char*)g + 64 + ahead, _MM_HINT_T0);
+    for (int64_t k = 0; k < Kp; k += 32, g += STRIDE, d += 4) {
+        PREFETCH(g, ahead);
         __m256i xa = xl(x + k), xb = xl(x + k + 16);
         FOLD(a0, gsum(xa, xb, g), d[0]); FOLD(a1, gsum(xa, xb, g + 16), d[1]);
         xa = xl(x + Kp + k); xb = xl(x + Kp + k + 16);
@@ -165,12 +176,11 @@ static void block_3x2(const int16_t* x, const float* xsum, int64_t Kp, int64_t G
     s[2][0] = t[0]; s[2][1] = t[1];
 }
 
-static void block_4x2(const int16_t* x, const float* xsum, int64_t Kp, int64_t Gp, const uint8_t* g, const float* d,
-                      const float* m, int64_t ahead, float s[4][4]) {
+BLOCK block_4x2(const int16_t* x, const float* xsum, int64_t Kp, int64_t Gp, const uint8_t* g, const float* d,
+                const float* m, int64_t ahead, float s[4][4], const int nib) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, c0 = a0, c1 = a0, e0 = a0, e1 = a0;
-    for (int64_t k = 0; k < Kp; k += 32, g += 128, d += 4) {
-        _mm_prefetch((const char*)g + ahead, _MM_HINT_T0);
-        _mm_prefetch((const char*)g + 64 + ahead, _MM_HINT_T0);
+    for (int64_t k = 0; k < Kp; k += 32, g += STRIDE, d += 4) {
+        PREFETCH(g, ahead);
         __m256i xa = xl(x + k), xb = xl(x + k + 16);
         FOLD(a0, gsum(xa, xb, g), d[0]); FOLD(a1, gsum(xa, xb, g + 16), d[1]);
         xa = xl(x + Kp + k); xb = xl(x + Kp + k + 16);
@@ -194,14 +204,23 @@ static void block_4x2(const int16_t* x, const float* xsum, int64_t Kp, int64_t G
 
 typedef void (*block_fn)(const int16_t*, const float*, int64_t, int64_t, const uint8_t*, const float*, const float*,
                          int64_t, float[4][4]);
+/* each block compiled for 8-bit (…8) and 4-bit (…4) codes */
+#define FORMATS(name) \
+    static void name##8(const int16_t* x, const float* xsum, int64_t Kp, int64_t Gp, const uint8_t* g, const float* d, \
+                        const float* m, int64_t ahead, float s[4][4]) { name(x, xsum, Kp, Gp, g, d, m, ahead, s, 0); } \
+    static void name##4(const int16_t* x, const float* xsum, int64_t Kp, int64_t Gp, const uint8_t* g, const float* d, \
+                        const float* m, int64_t ahead, float s[4][4]) { name(x, xsum, Kp, Gp, g, d, m, ahead, s, 1); }
+FORMATS(block_1x4) FORMATS(block_2x4) FORMATS(block_3x2) FORMATS(block_4x2)
 
 /* every row of xq times one group (nb <= 4 real outputs at y, ldy apart by row), in even chunks of at most 4 rows
    (8 -> 4 + 4, 7 -> 4 + 3): 1-2 rows take the group's 4 outputs at once, 3-4 rows 2 at a time (the accumulators
    and operands fit in the 16 ymm registers; the second pass reads the group from L1) */
 static void group(const int16_t* xq, const float* xsum, const float* xs, int64_t M, int64_t Kp, int64_t Gp,
                   const uint8_t* g, const float* d, const float* m, int64_t ahead, const float* bias, float* y,
-                  int64_t ldy, int64_t nb) {
-    static const block_fn by_rows[5] = {0, block_1x4, block_2x4, block_3x2, block_4x2};
+                  int64_t ldy, int64_t nb, int nib) {
+    static const block_fn by_rows8[5] = {0, block_1x48, block_2x48, block_3x28, block_4x28};
+    static const block_fn by_rows4[5] = {0, block_1x44, block_2x44, block_3x24, block_4x24};
+    const block_fn* by_rows = nib ? by_rows4 : by_rows8;
     int64_t chunks = (M + 3) / 4, i0 = 0;
     for (int64_t c = 0; c < chunks; c++) {
         int64_t r = (M - i0 + (chunks - c) - 1) / (chunks - c);
@@ -222,11 +241,12 @@ static void group(const int16_t* xq, const float* xsum, const float* xs, int64_t
     }
 }
 
-/* wp: u packed, (N + 3) / 4 groups of 4 * Kp bytes, Kp = K rounded up to 32; dp: the steps, [(N + 3) / 4][Kp / 32][4]
-   fp32; mp: the offsets, [(N + 3) / 4 * 4][Gp] fp32, Gp = Kp / 32 rounded up to 8 (zeros past it)
-   (kernels/cpu_int8.py `Matrix`). Returns 0, or -1 when the int16 copy of x could not be allocated. */
+/* wp: u packed, (N + 3) / 4 groups of 4 * Kp bytes (nib: 4-bit codes, 2 * Kp bytes), Kp = K rounded up to 32; dp:
+   the steps, [(N + 3) / 4][Kp / 32][4] fp32; mp: the offsets, [(N + 3) / 4 * 4][Gp] fp32, Gp = Kp / 32 rounded up to
+   8 (zeros past it) (kernels/cpu_int8.py `Matrix`). Returns 0, or -1 when the int16 copy of x could not be
+   allocated. */
 int dl_int8_linear(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* wp, const float* dp,
-                   const float* mp, const float* bias, float* y, int64_t N) {
+                   const float* mp, const float* bias, float* y, int64_t N, int nib) {
     int64_t Kp = (K + 31) / 32 * 32, Gp = (Kp / 32 + 7) / 8 * 8;
     /* 64-byte aligned (rows are 32 * Kp / 16 bytes long): an activation load never straddles two cache lines, which
        cost ~15% at 4 rows with malloc's 16-byte alignment */
@@ -237,12 +257,12 @@ int dl_int8_linear(const float* x, int64_t ldx, int64_t M, int64_t K, const uint
     quantize_rows(x, ldx, M, K, Kp, Gp, xq, xs, xsum);
     /* with 3+ rows a group is read twice: prefetch the next group (at least 1 KiB on) so the memory stream goes
        on during the second pass; 1-2 rows read it once, 1 KiB ahead */
-    int64_t groups = (N + 3) / 4, ahead = M > 2 && 4 * Kp > 1024 ? 4 * Kp : 1024;
+    int64_t group_bytes = (nib ? 2 : 4) * Kp, groups = (N + 3) / 4, ahead = M > 2 && group_bytes > 1024 ? group_bytes : 1024;
     #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < groups; t++) {
         int64_t n0 = t * 4, nb = N - n0 < 4 ? N - n0 : 4;
-        group(xq, xsum, xs, M, Kp, Gp, wp + t * 4 * Kp, dp + t * Kp / 8, mp + n0 * Gp, ahead, bias ? bias + n0 : 0,
-              y + n0, N, nb);
+        group(xq, xsum, xs, M, Kp, Gp, wp + t * group_bytes, dp + t * Kp / 8, mp + n0 * Gp, ahead, bias ? bias + n0 : 0,
+              y + n0, N, nb, nib);
     }
     free(xq); free(xs);
     return 0;

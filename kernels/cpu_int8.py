@@ -2,10 +2,13 @@
 
 The weights are 8-bit codes in groups of 32 along K, each group with its own fp32 step and offset (`GroupedInt8`,
 `quantize`): a group's 256 levels span its own [min, max], as llama.cpp's Q4_1 / Q5_1 blocks do, so SmolLM2's
-Q4_1 weights (16 levels a group) are kept exactly. On SmolLM2-135M (docs/kernels.md) per-row symmetric int8, the
-format before, moved continuation log-likelihoods by up to 0.25 nats and perplexity by up to +1.0% even with
-exact activations; symmetric groups of 32 (Q8_0's form) still 0.09 nats; integer steps and offsets on a per-row
-grid (all-integer sums) 0.10 nats in the engine; this format 0.022.
+Q4_1 weights (16 levels a group) are kept exactly, and `Matrix` stores such a weight as its 4-bit codes (`four_bit`,
+`pack4`): half the bytes a decode step reads, the same operations per weight.
+
+On SmolLM2-135M (docs/kernels.md) per-row symmetric int8, the format before, moved continuation log-likelihoods
+by up to 0.25 nats and perplexity by up to +1.0% even with exact activations; symmetric groups of 32 (Q8_0's
+form) still 0.09 nats; integer steps and offsets on a per-row grid (all-integer sums) 0.10 nats in the engine;
+this format 0.022.
 
 Why our own kernel: for the 1-11 rows of a decode step PyTorch's choices were either slow or lossy on the
 2-core AVX2 target. fbgemm's int8 path quantizes the activations to 8 bits (weights limited to 7 bits by AVX2's
@@ -25,6 +28,7 @@ why not when the CPU lacks AVX2 or FMA, there is no compiler, or the build fails
 from __future__ import annotations
 
 import ctypes
+import os
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +38,7 @@ from kernels import _cbuild
 
 def _declare(lib: ctypes.CDLL) -> None:
     i64, p = ctypes.c_int64, ctypes.c_void_p
-    lib.dl_int8_linear.argtypes = [p, i64, i64, i64, p, p, p, p, p, i64]
+    lib.dl_int8_linear.argtypes = [p, i64, i64, i64, p, p, p, p, p, i64, ctypes.c_int]
     lib.dl_int8_linear.restype = ctypes.c_int
 
 
@@ -96,6 +100,23 @@ def pack(u: torch.Tensor) -> torch.Tensor:
     return padded.view(padded.shape[0] // 4, 4, kp // 16, 16).transpose(1, 2).contiguous()
 
 
+def four_bit(u: torch.Tensor) -> bool:
+    """Whether 8-bit codes u are 4-bit ones times 17: a group quantized from 16 levels spanning its [min, max]
+    (llama.cpp's Q4_1, whose groups span exactly that: SmolLM2's GGUF) lands on 0, 17, ..., 255."""
+    return bool((u % 17 == 0).all())
+
+
+def pack4(u4: torch.Tensor) -> torch.Tensor:
+    """4-bit codes u4 [N, Kp] (uint8 < 16, Kp a multiple of GROUP) in the kernel's 4-bit layout: groups of 4 output
+    rows, each row's 32 codes of a group in 16 bytes (byte j = u4[j] | u4[16 + j] << 4), the 4 rows' side by side:
+    [ceil(N / 4), Kp / 32, 4, 16], half `pack`'s bytes."""
+    n, kp = u4.shape
+    assert kp % GROUP == 0 and bool((u4 < 16).all()), kp
+    padded = torch.nn.functional.pad(u4, (0, 0, 0, -n % 4)).view(-1, 4, kp // GROUP, 2, 16)
+    nibbles = padded[:, :, :, 0] | (padded[:, :, :, 1] << 4)  # [N / 4, 4, Kp / 32, 16]
+    return nibbles.transpose(1, 2).contiguous()
+
+
 def pack_steps(d: torch.Tensor) -> torch.Tensor:
     """d [N, G] as the kernel reads it beside `pack`'s groups: [ceil(N / 4), G, 4]."""
     padded = torch.nn.functional.pad(d.float(), (0, 0, 0, -d.shape[0] % 4))
@@ -107,18 +128,30 @@ def pack_offsets(m: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(m.float(), (0, -m.shape[1] % 8, 0, -m.shape[0] % 4)).contiguous()
 
 
+def nibbles_enabled() -> bool:
+    """DECODELAB_INT8_NIBBLES=0 keeps every weight in 8-bit codes (the fallback, and an A/B switch)."""
+    return os.environ.get("DECODELAB_INT8_NIBBLES", "1") != "0"
+
+
 class Matrix:
     """A GroupedInt8 weight (and bias [N] fp32), checked and packed once: `m(x)` = x @ w.T + bias with ~4 us less
-    per call (121 calls in a SmolLM2 decode step). Holds the packed copies only."""
+    per call (121 calls in a SmolLM2 decode step). Holds the packed copies only. A weight whose codes are all 4-bit
+    ones (`four_bit`: a Q4_1 GGUF's) is packed as 4-bit codes with 17x the steps: the same weights (to an fp32
+    rounding of each step), half the bytes a decode step reads (`nibbles`)."""
 
     def __init__(self, w: GroupedInt8, bias: torch.Tensor | None = None):
         assert w.u.dtype == torch.uint8 and w.d.dtype == w.m.dtype == torch.float32 and w.u.device.type == "cpu"
         assert bias is None or (bias.dtype == torch.float32 and bias.shape == (w.n,))
-        self.packed, self.steps, self.offsets = pack(w.u), pack_steps(w.d), pack_offsets(w.m)
+        self.nibbles = nibbles_enabled() and four_bit(w.u)
+        if self.nibbles:
+            self.packed, self.steps = pack4(w.u // 17), pack_steps(w.d * 17)
+        else:
+            self.packed, self.steps = pack(w.u), pack_steps(w.d)
+        self.offsets = pack_offsets(w.m)
         self.bias = None if bias is None else bias.contiguous()
         self.n, self.k = w.n, w.k
         self._ptrs = (self.packed.data_ptr(), self.steps.data_ptr(), self.offsets.data_ptr(),
-                      None if bias is None else self.bias.data_ptr())
+                      None if bias is None else self.bias.data_ptr(), int(self.nibbles))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] fp32 on the CPU -> [M, N] fp32."""
@@ -127,9 +160,9 @@ class Matrix:
             x = x.contiguous()
         out = torch.empty(x.shape[0], self.n)
         if x.shape[0]:
-            packed, steps, offsets, bias = self._ptrs
+            packed, steps, offsets, bias, nib = self._ptrs
             if KERNEL.lib.dl_int8_linear(x.data_ptr(), x.stride(0), x.shape[0], self.k, packed, steps, offsets, bias,
-                                         out.data_ptr(), self.n):
+                                         out.data_ptr(), self.n, nib):
                 raise MemoryError("cpu_int8: no memory for the int16 copy of the activations")
         return out
 

@@ -11,7 +11,7 @@ positions, not every token of a prefill).
   as two operations, like float ones.
 - Bytes: every weight read once per step, as stored (fp32 or oneDNN-packed fp32, int8 with its per-channel scales,
   fbgemm's fp16); the LM head only when some row needs logits; each sequence's KV context read once per layer
-  and the new tokens' K/V written (an int8 cache: 1 byte per element plus its share of the per-(block, head) fp32
+  and the new tokens' K/V written (an int8 cache: 1 byte per element plus its per-(token, head) fp32
   scale); each linear's input read and output written once in the model dtype; the embedding rows looked up; the
   fp32 logits written. Not counted: norms, RoPE, residual adds, softmax, the sampler, a draft model's own
   forwards, and the padding the torch decode path gathers (groups of 8 read up to the group's longest context).
@@ -137,8 +137,8 @@ class CostModel:
         else:
             head = _linear_bytes(model.lm_head) if model.lm_head is not None else model.embed_tokens.weight.nbytes
         kv_elem = runner.kv_dtype.itemsize
-        if runner.kv_dtype == torch.int8:  # one fp32 scale per (block, KV head)
-            kv_elem += 4 / (runner.config.block_size * shape.head_dim)
+        if runner.kv_dtype == torch.int8:  # one fp32 scale per (token, KV head)
+            kv_elem += 4 / shape.head_dim
         return cls(shape, layers, head, runner.dtype.itemsize, kv_elem)
 
     def flops(self, chunks: Iterable[Chunk], rows: int) -> int:
@@ -173,8 +173,11 @@ def _stored_bytes(w: Int8Weight | HeadWeight | RowSplitWeight, numel: int) -> in
     # a RowSplitWeight holds two int8 copies; a decode step reads one (the avx2 kernel's)
     if isinstance(w, HeadWeight):
         return numel * 2  # fbgemm's fp16 weight
-    # int8 codes plus their scales: one fp32 per output channel (fbgemm), or an fp32 step and offset per 32 weights
-    return numel + w.scale.nbytes + w.group_bytes
+    # codes plus their scales: one fp32 per output channel (fbgemm), or an fp32 step and offset per 32 weights; a
+    # weight on a 4-bit grid is held as 4-bit codes (cpu_int8.Matrix.nibbles)
+    matrix = getattr(w, "matrix", None)
+    codes = numel // 2 if matrix is not None and matrix.nibbles else numel
+    return codes + w.scale.nbytes + w.group_bytes
 
 
 def _linear_bytes(m: Linear) -> int:

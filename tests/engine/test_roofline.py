@@ -31,7 +31,7 @@ def test_int8_weights_and_an_int8_cache_are_counted_at_their_size(tiny_llama_dir
     groups = LAYER_PARAMS // 32  # an fp32 step and offset per 32 weights (every in_features here is 64 or 128)
     assert cost.layer_weight_bytes == 2 * (LAYER_PARAMS + 8 * groups)
     assert cost.head_weight_bytes == 512 * 64 + 8 * 512 * 64 // 32
-    assert cost.kv_bytes == 1 + 4 / (16 * 16)  # plus its share of the (block of 16, head) scale
+    assert cost.kv_bytes == 1 + 4 / 16  # plus its share of the (token, head) scale (head_dim 16)
 
 
 def test_flops_and_bytes_of_a_mixed_step_are_the_hand_counted_ones():
@@ -110,7 +110,7 @@ def test_the_roofs_are_positive_finite_quick_and_measured_once_per_process():
     measure_roofs.cache_clear()
     began = time.perf_counter()
     roofs = measure_roofs(1)
-    assert time.perf_counter() - began < 3.0  # ~0.6 s on the 2-core target; slack for a loaded machine
+    assert time.perf_counter() - began < 30.0  # ~0.6 s on the 2-core target: a guard against a runaway probe only
     assert roofs.kind == "float32" and roofs.threads == 1
     for value in (roofs.flops_per_s, roofs.bytes_per_s, roofs.ridge):
         assert math.isfinite(value) and value > 0

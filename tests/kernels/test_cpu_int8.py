@@ -150,3 +150,43 @@ def test_pack_interleaves_four_rows_per_k_step_and_pads_with_zeros():
         for j in range(2):
             assert steps[n // 4, j, n % 4] == d[n, j]
     assert cpu_int8.pack_offsets(d).shape == (8, 8)  # rows padded to 4s, groups to 8s, with zeros
+
+
+def q4_grid(n: int, k: int, seed: int) -> torch.Tensor:
+    """weights as a Q4_1 GGUF holds them: per group of 32, m + d * q with q in 0..15 spanning both ends (a GGUF's K
+    is a multiple of 32: a padded group's zeros are off the grid, and the weight stays in 8-bit codes)"""
+    g = torch.Generator().manual_seed(seed)
+    groups = k // 32
+    d, m = torch.rand(n, groups, 1, generator=g) * 0.01 + 1e-3, torch.randn(n, groups, 1, generator=g) * 0.02
+    q = torch.randint(0, 16, (n, groups, 32), generator=g)
+    q[..., 0], q[..., 1] = 0, 15
+    return (m + d * q).view(n, k)
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 9), n=st.integers(1, 21), k=st.sampled_from([32, 64, 96]), seed=st.integers(0, 10_000))
+@example(rows=1, n=576, k=1536, seed=1)  # SmolLM2's down_proj at batch 1
+@example(rows=8, n=960, k=576, seed=0)  # its qkv projection, the four-mode batch
+def test_q4_weights_run_as_4_bit_codes_with_the_8_bit_results(rows, n, k, seed):
+    w = cpu_int8.quantize(q4_grid(n, k, seed))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed))
+    assert cpu_int8.four_bit(w.u) and cpu_int8.Matrix(w).nibbles
+    got = check(x, w)  # the 8-bit codes' reference, and each row alone against its batch
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DECODELAB_INT8_NIBBLES", "0")
+        eight = cpu_int8.Matrix(w)
+    assert not eight.nibbles and eight.packed.numel() == 2 * cpu_int8.Matrix(w).packed.numel()
+    # the same products; the steps differ by the fp32 rounding of d * 17
+    torch.testing.assert_close(got, eight(x), rtol=1e-5, atol=1e-5 * float(got.abs().max()))
+
+
+def test_pack4_puts_a_groups_32_codes_in_16_bytes_low_nibbles_first():
+    u4 = torch.arange(6 * 64, dtype=torch.int64).remainder(16).to(torch.uint8).view(6, 64).flip(1)
+    p = cpu_int8.pack4(u4)
+    assert p.shape == (2, 2, 4, 16) and p.is_contiguous()  # 6 rows -> 2 groups of 4; K 64 -> 2 groups of 32
+    for n in range(6):
+        for k in range(64):
+            byte = int(p[n // 4, k // 32, n % 4, k % 16])
+            assert (byte >> 4 if k % 32 >= 16 else byte & 15) == u4[n, k]
+    assert (p[1, :, 2:] == 0).all()  # the padding rows
+    assert not cpu_int8.four_bit(torch.tensor([[0, 17, 18]], dtype=torch.uint8))

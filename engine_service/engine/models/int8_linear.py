@@ -5,7 +5,8 @@ Three kernels, `int8_kernel` picks one:
 - "avx2" (x86 CPUs with AVX2 and a C compiler: the CPU default; DECODELAB_INT8_KERNEL=avx2 insists on it):
   our own kernel (kernels/cpu_int8.c, built on first use) for every matmul and the LM head, prompt and generated
   rows alike. Weights are 8-bit codes in groups of 32 along K, each group with its own fp32 step and offset
-  (kernels/cpu_int8.py `GroupedInt8`, `quantize`: a group's 256 levels span its own [min, max]); activations are
+  (kernels/cpu_int8.py `GroupedInt8`, `quantize`: a group's 256 levels span its own [min, max]; a weight whose
+  codes are all on a 16-level grid, as a Q4_1 GGUF's are, is held as 4-bit codes: `Matrix.nibbles`); activations are
   quantized per row to int16 inside the call; products and a group's sums are integers (vpmaddwd), nothing is
   calibrated, and each row's result is independent of the others of its step. Measured on SmolLM2-135M
   (docs/kernels.md, `decodelab bench quality`): the fbgemm mix below, the default before, moved continuation
