@@ -33,6 +33,12 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def generic_cpu() -> bool:
+    """DECODELAB_CPU_ISA=generic: run as on a CPU without AVX2 (arm64, old x86): none of our C kernels, no x86-only
+    PyTorch paths (fbgemm); every such choice takes its PyTorch fallback. For tests and A/B runs."""
+    return os.environ.get("DECODELAB_CPU_ISA", "").lower() == "generic"
+
+
 def cache_dir() -> Path:
     root = os.environ.get("DECODELAB_CACHE_DIR") or Path.home() / ".cache" / "decodelab"
     return Path(root) / "kernels"
@@ -41,6 +47,8 @@ def cache_dir() -> Path:
 def build(name: str) -> tuple[ctypes.CDLL | None, str]:
     """kernels/`name`.c built (unless already in the cache) and loaded: (the library, "") or (None, why not)."""
     source = Path(__file__).with_name(f"{name}.c")
+    if generic_cpu():
+        return None, "DECODELAB_CPU_ISA=generic: treated as a CPU without AVX2 (an arm64 one, say)"
     if not {"avx2", "fma"} <= cpu_flags():
         return None, "this CPU has no AVX2 + FMA (or no /proc/cpuinfo to say so)"
     cc = shutil.which(os.environ.get("CC") or "cc")

@@ -56,6 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_int8, cpu_layer_ops
+from kernels._cbuild import generic_cpu
 
 KERNELS = ("avx2", "fbgemm", "dequant")
 QMAX = {"avx2": 127, "fbgemm": 63, "dequant": 127}
@@ -141,7 +142,7 @@ def int8_kernel(device: torch.device) -> str:
         return "avx2"
     if forced == "avx2":
         raise ValueError(f"DECODELAB_INT8_KERNEL: avx2 does not run here ({why})")
-    return "fbgemm" if _fbgemm_error() is None else "dequant"
+    return "fbgemm" if not generic_cpu() and _fbgemm_error() is None else "dequant"  # fbgemm is x86-only
 
 
 class HeadWeight:

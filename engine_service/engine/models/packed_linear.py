@@ -41,7 +41,7 @@ def packing_enabled(device: torch.device, dtype: torch.dtype) -> bool:
             and os.environ.get("DECODELAB_CPU_LINEAR", "onednn") != "dense")
 
 
-_ISAS = ("avx2", "avx512")  # DECODELAB_CPU_ISA values; unset or empty: what the CPU has
+_ISAS = ("avx2", "avx512", "generic")  # DECODELAB_CPU_ISA values; unset or empty: what the CPU has
 
 
 def bf16_packing_unavailable() -> str | None:
@@ -49,8 +49,8 @@ def bf16_packing_unavailable() -> str | None:
     isa = os.environ.get("DECODELAB_CPU_ISA", "").lower()
     if isa and isa not in _ISAS:
         raise ValueError(f"DECODELAB_CPU_ISA: expected one of {', '.join(_ISAS)}, got {isa!r}")
-    if isa == "avx2":
-        return "DECODELAB_CPU_ISA=avx2: treated as lacking avx512bw, avx512vl, avx512dq and avx_ne_convert"
+    if isa in ("avx2", "generic"):
+        return f"DECODELAB_CPU_ISA={isa}: treated as lacking avx512bw, avx512vl, avx512dq and avx_ne_convert"
     return _onednn_bf16_error()  # avx512 cannot add instructions the CPU lacks
 
 
