@@ -17,6 +17,8 @@ from transformers.generation.logits_process import (
 from engine_service.engine import LLM
 from engine_service.engine.sampler import SamplingBatch, sample
 from engine_service.engine.sampling_params import SamplingParams
+from engine_service.server.events import sampler_stages
+from shared.protocol import TokenEvent, decode_event, encode
 
 
 def batch(rows: list[dict], seed: int) -> SamplingBatch:
@@ -141,3 +143,18 @@ def test_engine_outputs_carry_one_pipeline_per_token(tiny_llama_dir):
         assert [s["name"] for s in stages] == ["raw", "temperature", "top_k", "top_p"]
         assert len(stages[0]["top"]) == 5 and stages[2]["kept"] == 40
         assert stages[-1]["kept"] <= 40 and stages[-1]["chosen_prob"] > 0
+
+
+class _Tok:
+    def decode(self, ids):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+def test_token_events_carry_the_pipelines_with_the_tokens_text():
+    engine = [[dict(name="raw", top=[(2, 0.6), (0, 0.3)], kept=3, removed=0.0, other=0.1, chosen_rank=1,
+                    chosen_prob=0.3)]]
+    stages = sampler_stages(_Tok(), engine)
+    assert stages[0][0].top == [(2, "c", 0.6), (0, "a", 0.3)] and stages[0][0].chosen_rank == 1
+    event = TokenEvent(request_id="r", seq=0, text_delta="a", token_ids=[0], stages=stages)
+    assert decode_event(encode(event)).stages == stages
+    assert sampler_stages(_Tok(), None) is None
