@@ -3,6 +3,9 @@ engine's stages, and in a real headless Chromium against a real replica a clicke
 in-process engine's) with a what-if that reshapes them in the page."""
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import pytest
 from playwright.sync_api import expect
 
@@ -86,4 +89,5 @@ def test_a_sampled_token_shows_its_pipeline_equal_to_the_engine_s_and_a_what_if(
     page.evaluate(set_knob, ["k", 1])  # top-1: the most likely token takes it all
     assert int(result.get_attribute("data-kept")) == 1
     expect(result.locator(".bar span").first).to_have_text("100.0%")
+    page.locator("#dl-pop").screenshot(path=str(Path(tempfile.gettempdir()) / "decodelab-pipeline.png"))
     assert page.errors == []
