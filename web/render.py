@@ -23,7 +23,7 @@ from shared.protocol import DraftCheck
 from web.beam_tree import beam_tree_html
 from web.branches import Branch, BranchTree
 from web.columns import Column, Output, Token
-from web.pipeline import stages_data
+from web.pipeline import stages_attr
 
 MODE_COLORS = {"greedy": "#2563eb", "beam": "#7c3aed", "sample": "#d97706", "speculative": "#059669"}
 STATUS = {"idle": "ready", "waiting": "waiting for the shared prompt", "queued": "queued", "running": "streaming",
@@ -92,7 +92,7 @@ def _token(t: Token, pos: int | None = None, extra: str = "") -> str:
     if t.draft is not None:
         attrs += f' data-d="{escape(json.dumps(_draft_data(t.draft)))}"'
     if t.stages:  # its sampler pipeline, drawn by web/pipeline.js in the click popup
-        attrs += f' data-s="{escape(json.dumps(stages_data(t.stages), separators=(",", ":")))}"'
+        attrs += stages_attr(t.stages)
     body = escape(t.text).replace("\n", '<span class="nl">↵</span><br>')
     return f'<span class="{cls}{extra}"{attrs}>{body}</span>'
 

@@ -3,7 +3,9 @@ engine's stages, and in a real headless Chromium against a real replica a clicke
 in-process engine's) with a what-if that reshapes them in the page."""
 from __future__ import annotations
 
+import json
 import tempfile
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ from tests.web.test_browser import pytestmark as needs_chromium
 from tests.web.test_browser import set_number, wait_columns_final
 from web.columns import Column
 from web.modes import PIPELINE_TOKENS, Settings, build_request
+from web.pipeline import SHOWN
 from web.render import column_html
 
 SAMPLED = "#out-sample .dl-col > .txt .tk"
@@ -29,16 +32,31 @@ def test_greedy_and_sampling_ask_for_the_pipeline_only_with_the_box_ticked():
         assert build_request(mode, off).params.sampler_stages == 0, mode
 
 
+class _DataS(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.found: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        self.found += [v for k, v in attrs if k == "data-s"]
+
+
 def test_a_traced_token_carries_its_stages_into_the_html_and_an_untraced_one_nothing():
-    stage = SamplerStage(name="raw", top=[(5, "hi", 0.61234)], kept=9, removed=0.0, other=0.38766, chosen_rank=0,
-                         chosen_prob=0.61234)
+    tricky = "it's \"<b>&\""  # quotes and markup in a token's text survive the attribute
+    raw = SamplerStage(name="raw", top=[(5, tricky, 0.61234)] + [(i, f"t{i}", 0.01) for i in range(6, 16)], kept=90,
+                       removed=0.0, other=0.28766, chosen_rank=0, chosen_prob=0.61234)
+    cut = SamplerStage(name="top_k", top=raw.top, kept=11, removed=0.28, other=0.0, chosen_rank=0, chosen_prob=0.85)
     col = Column("sample")
-    lp = TokenLogprob(token_id=5, token="hi", logprob=-0.49, top=[(5, "hi", -0.49)])
-    col.feed(TokenEvent(request_id="r", seq=0, text_delta="hihi", token_ids=[5, 5], logprobs=[lp, lp],
-                        stages=[[stage], [stage]]))
-    assert [t.stages for t in col.outputs[0].tokens] == [[stage], [stage]]
-    html = column_html(col)
-    assert html.count('data-s="[[&quot;raw&quot;,9,0.0,0.3877,0,0.6123,[[5,&quot;hi&quot;,0.6123]]]]"') == 2
+    lp = TokenLogprob(token_id=5, token=tricky, logprob=-0.49, top=[(5, tricky, -0.49)])
+    col.feed(TokenEvent(request_id="r", seq=0, text_delta=tricky * 2, token_ids=[5, 5], logprobs=[lp, lp],
+                        stages=[[raw, cut], [raw, cut]]))
+    assert [t.stages for t in col.outputs[0].tokens] == [[raw, cut], [raw, cut]]
+    parser = _DataS()
+    parser.feed(column_html(col))
+    assert len(parser.found) == 2
+    drawn = json.loads(parser.found[0])
+    assert drawn[0][:6] == ["raw", 90, 0.0, 0.2877, 0, 0.6123] and drawn[0][6][0] == [5, tricky, 0.6123]
+    assert len(drawn[0][6]) == 11 and len(drawn[1][6]) == SHOWN  # the what-if's base whole, the others' head
     plain = Column("sample")
     plain.feed(TokenEvent(request_id="r", seq=0, text_delta="hi", token_ids=[5]))
     assert "data-s=" not in column_html(plain)
