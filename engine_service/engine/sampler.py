@@ -255,10 +255,11 @@ def _penalised_rows(b: SamplingBatch) -> list[int]:
     """The rows _penalties changes (a traced row's pipeline shows the stage only there)."""
     rows = {r for r, banned in enumerate(b.banned_tokens) if banned}
     rows |= {r for r, bias in enumerate(b.logit_bias or []) if bias}
-    if b.seen_tokens is not None:
-        rows |= set((b.repetition_penalty != 1.0).nonzero().flatten().tolist())
+    if b.seen_tokens is not None:  # a penalty with tokens to act on
+        rows |= set(((b.repetition_penalty != 1.0) & (b.seen_tokens >= 0).any(dim=1)).nonzero().flatten().tolist())
     if b.output_tokens is not None:
-        rows |= set(((b.presence_penalty != 0) | (b.frequency_penalty != 0)).nonzero().flatten().tolist())
+        asked = (b.presence_penalty != 0) | (b.frequency_penalty != 0)
+        rows |= set((asked & (b.output_tokens >= 0).any(dim=1)).nonzero().flatten().tolist())
     return sorted(rows)
 
 

@@ -158,3 +158,19 @@ def test_token_events_carry_the_pipelines_with_the_tokens_text():
     event = TokenEvent(request_id="r", seq=0, text_delta="a", token_ids=[0], stages=stages)
     assert decode_event(encode(event)).stages == stages
     assert sampler_stages(_Tok(), None) is None
+
+
+def test_under_a_grammar_its_stage_removes_the_mass_the_engine_reports_as_masked(tiny_llama_dir):
+    from engine_service.engine.sampling_params import StructuredOutputsParams
+
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=64)
+    spec = StructuredOutputsParams(regex="[ab]{2}(c|de)[0-9]")
+    out = llm.generate(["abc de ab 12 ba"], SamplingParams(
+        temperature=0.9, seed=1, max_tokens=8, logprobs=1, structured_outputs=spec, presence_penalty=0.5,
+        sampler_stages=4))[0].outputs[0]
+    assert len(out.stages) == len(out.token_ids) == len(out.masked)
+    for t, (stages, masked) in enumerate(zip(out.stages, out.masked)):
+        penalised = ["penalties"] if t else []  # the presence penalty has generated tokens to act on from the second
+        assert [s["name"] for s in stages] == ["raw", "grammar", *penalised, "temperature"]
+        assert stages[1]["removed"] == pytest.approx(masked, abs=1e-4)
+        assert stages[1]["kept"] < stages[0]["kept"] and stages[-1]["chosen_prob"] > 0
