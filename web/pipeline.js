@@ -81,7 +81,8 @@
     return [wrap, input];
   }
 
-  // the run's own settings for a sampled token (the Sampling column's controls), neutral ones for greedy
+  // a sampled token starts at the Sampling column's controls as they are now (the run's, unless changed since),
+  // a greedy one at neutral settings
   function settingsOf(mode) {
     const num = (id, fallback) => {
       const v = Number(document.querySelector(`#${id} input[type=number], #${id} input`)?.value);
