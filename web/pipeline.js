@@ -5,8 +5,8 @@
      token's rank and probability, bars for its most likely tokens.
      "What if" reshapes the token's last stage before temperature (raw, or after the grammar / penalties) under other
      temperature, top-k, top-p and min-p, here in the page: no request. It knows the engine's top-N tokens; the rest
-     of the kept tokens count as one bucket of equally likely tokens, so it is exact for the top-N, approximate
-     beyond. */
+     of the kept tokens count as one bucket of equally likely tokens, so it is exact where only the top-N matter
+     (temperature 1, cuts within them) and approximate otherwise (the normaliser after a temperature sums the tail). */
   if (window.dlPipeline) return;
   const NAMES = { raw: "raw", grammar: "after the grammar mask", penalties: "after penalties / logit bias",
                   temperature: "after temperature", top_k: "after top-k", top_p: "after top-p", min_p: "after min-p" };
@@ -40,7 +40,9 @@
   function items([, kept, , other, , , top]) {
     const out = top.map(([id, text, p]) => ({ id, text, p, n: 1 }));
     const rest = kept - top.length;
-    if (rest > 0 && other > 0) out.push({ id: null, text: `${rest.toLocaleString()} others`, p: other / rest, n: rest });
+    if (rest > 0 && other > 0) {
+      out.push({ id: null, text: `${rest.toLocaleString()} others`, p: other / rest, n: rest });
+    }
     return out;
   }
 
@@ -113,8 +115,9 @@
     };
     for (const input of [t, k, p, m]) input.addEventListener("input", draw);
     box.append(el("div", "ph", `What if: ${NAMES[base[0]]} reshaped here, no new request`), tWrap, kWrap, pWrap,
-               mWrap, result, el("small", "dim", `exact for the top ${base[6].length} tokens; the rest count as ` +
-                                                 "equally likely, so beyond them it is approximate"));
+               mWrap, result, el("small", "dim", `the engine sent its top ${base[6].length} tokens; the rest ` +
+                                                 "count as equally likely, so a temperature other than 1 or a cut " +
+                                                 "beyond them is approximate"));
     draw();
     return box;
   }
