@@ -98,10 +98,13 @@ def run(args: argparse.Namespace) -> int:
                "quantization": getattr(args, "quantization", None), "variants": summary,
                "step_ratio": on / off if on and off else None, "params": variants}
     write_with_plot("pipeline", results, args.out, _plot)
+    def ms(x: float | None) -> str:
+        return "–" if x is None else f"{x:.2f} ms"
+
     for name, s in summary.items():
-        print(f"pipeline {name:>3}: four-mode step {s['step_ms']:.2f} ms (median of {s['steps']}), "
-              f"sampling TPOT {s['sample_tpot_ms']:.2f} ms")
-    print(f"with / without: {results['step_ratio']:.3f}")
+        print(f"pipeline {name:>3}: four-mode step {ms(s['step_ms'])} (median of {s['steps']}), "
+              f"sampling TPOT {ms(s['sample_tpot_ms'])}")
+    print(f"with / without: {results['step_ratio']:.3f}" if results["step_ratio"] else "with / without: –")
     return 0
 
 
