@@ -28,6 +28,9 @@ def batch(rows: list[dict], seed: int) -> SamplingBatch:
     seen = [r.get("seen", []) for r in rows]
     width = max(1, max(map(len, seen)))
     stages = [r.get("stages", 0) for r in rows]
+    outs = [r.get("outputs", []) for r in rows]
+    owidth = max(1, max(map(len, outs)))
+    penalised = any(r.get("presence") or r.get("frequency") for r in rows)
     return SamplingBatch(
         temperature=col("temperature", 1.0), top_k=col("top_k", -1, torch.int64), top_p=col("top_p", 1.0),
         min_p=col("min_p", 0.0), repetition_penalty=col("rp", 1.0),
@@ -35,7 +38,16 @@ def batch(rows: list[dict], seed: int) -> SamplingBatch:
         banned_tokens=[r.get("banned", []) for r in rows],
         generators=[torch.Generator().manual_seed(seed + i) for i in range(len(rows))], num_logprobs=0,
         logit_bias=[r.get("bias", {}) for r in rows] if any(r.get("bias") for r in rows) else None,
-        stages=stages if any(stages) else None)
+        stages=stages if any(stages) else None,
+        output_tokens=torch.tensor([o + [-1] * (owidth - len(o)) for o in outs]) if penalised else None,
+        presence_penalty=col("presence", 0.0) if penalised else None,
+        frequency_penalty=col("frequency", 0.0) if penalised else None)
+
+
+def openai_penalties(scores: torch.Tensor, row: dict) -> torch.Tensor:
+    """HF has no presence / frequency processor: OpenAI's formula on the row's generated tokens."""
+    counts = torch.bincount(torch.tensor(row["outputs"]), minlength=scores.shape[1]).to(scores.dtype)
+    return scores - row.get("frequency", 0.0) * counts - row.get("presence", 0.0) * (counts > 0).to(scores.dtype)
 
 
 def hf_stages(logits: torch.Tensor, row: dict) -> list[tuple[str, torch.Tensor]]:
@@ -48,6 +60,8 @@ def hf_stages(logits: torch.Tensor, row: dict) -> list[tuple[str, torch.Tensor]]
         penalties.append(SequenceBiasLogitsProcessor([[[t], b] for t, b in row["bias"].items()]))
     if row.get("rp", 1.0) != 1.0 and row.get("seen"):
         penalties.append(RepetitionPenaltyLogitsProcessor(row["rp"]))
+    if (row.get("presence") or row.get("frequency")) and row.get("outputs"):
+        penalties.append(lambda _, s: openai_penalties(s, row))
     if row.get("banned"):
         penalties.append(SuppressTokensLogitsProcessor(row["banned"]))
     for proc in penalties:
@@ -71,6 +85,8 @@ row_settings = st.fixed_dictionaries({}, optional={
     "rp": st.sampled_from([0.8, 1.3]), "seen": st.lists(st.integers(0, 49), min_size=1, max_size=8),
     "bias": st.dictionaries(st.integers(0, 49), st.sampled_from([-100.0, -2.0, 3.0]), min_size=1, max_size=3),
     "banned": st.lists(st.integers(0, 49), min_size=1, max_size=3, unique=True),
+    "presence": st.sampled_from([-1.0, 0.5]), "frequency": st.sampled_from([-0.5, 1.5]),
+    "outputs": st.lists(st.integers(0, 49), max_size=6),
 })
 
 
