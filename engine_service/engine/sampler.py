@@ -3,6 +3,9 @@ logit_bias -> repetition penalty -> presence / frequency penalties -> (min_token
 -> top-k -> top-p -> min-p. (vLLM adds logit_bias before its penalties too; OpenAI's presence and frequency
 penalties count the generated tokens only, HF's repetition penalty the prompt as well.)
 
+Rows that ask for their sampler pipeline (SamplingParams.sampler_stages) get each stage's distribution from these
+tensors (pipeline.Tracer); a batch where none asks builds no tracer.
+
 Seeded rows draw their noise from their own generator, so a seeded request gives the same tokens
 whatever else is in the batch (the exponential-race trick: argmax(p / E), E ~ Exp(1), samples p).
 """
