@@ -79,6 +79,9 @@ class SamplingOptions(SamplingExtras):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)  # OpenAI's: on generated tokens only
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[int, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(None, max_length=1024)
+    # the sampler pipeline per generated token (TokenEvent.stages): each stage's top-N tokens; 0: off. Greedy and
+    # sample modes; not an OpenAI API field (its responses have no place for it)
+    sampler_stages: int = Field(0, ge=0, le=64)
 
 
 class ChatMessage(_Model):
@@ -165,6 +168,21 @@ class DraftCheck(_Model):
     residual_top: list[tuple[int, str, float]] = Field(default_factory=list)
 
 
+class SamplerStage(_Model):
+    """The sampler pipeline (params.sampler_stages), one stage of one generated token: the distribution after that
+    processor, computed by the engine from the logits it sampled from. Stages in the sampler's order, each only
+    where it changed the distribution: raw, grammar (the structured-outputs mask), penalties (logit bias,
+    repetition, presence / frequency, the min_tokens EOS ban), temperature, top_k, top_p, min_p."""
+
+    name: str
+    top: list[tuple[int, str, float]]  # the N most likely (id, text, probability), best first
+    kept: int  # tokens still possible (finite logit)
+    removed: float  # probability of the previous stage on the tokens this stage removed
+    other: float  # probability on the kept tokens outside `top`
+    chosen_rank: int  # of the generated token: tokens more likely than it (0: the most likely)
+    chosen_prob: float
+
+
 class BeamEvent(_Model):
     """Beam search, one change of the beam tree (TokenEvent.beam). Nodes are the hypotheses of each search step:
     `node` is new on a fork and a finish, ids are unique per request and attempt, the root (the prompt) is 0."""
@@ -211,6 +229,8 @@ class TokenEvent(_Event):
     prompt: PromptScores | None = None
     # beam search: the tree's changes since the last event (index 0 carries them; the ids are in `beam.node`)
     beam: list[BeamEvent] | None = None
+    # params.sampler_stages: per token in token_ids, its sampler pipeline, raw first (on token events only)
+    stages: list[list[SamplerStage]] | None = None
 
 
 class Completion(_Model):

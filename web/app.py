@@ -22,6 +22,7 @@ from web.trace import trace_html  # noqa: E402
 CSS_PATH = Path(__file__).with_name("style.css")
 JS_PATH = Path(__file__).with_name("branching.js")  # click a token: its alternatives, pick one to branch
 TIPS_PATH = Path(__file__).with_name("tips.js")  # hover a token: its card, drawn from its data-* facts on demand
+PIPELINE_PATH = Path(__file__).with_name("pipeline.js")  # click a traced token: its sampler pipeline and a what-if
 NEWEST_PATH = Path(__file__).with_name("newest.js")  # a column keeps its newest drawing when frames cross
 # the shading is the stylesheet's choice (style.css): no round trip, no re-render
 SHADE_JS = "(v) => { document.documentElement.dataset.shade = v; return []; }"
@@ -136,6 +137,9 @@ def build_app(service: Service) -> gr.Blocks:
                 with gr.Row():
                     seed = gr.Number(DEFAULTS.seed, precision=0, label="Seed (empty: random)", elem_id="seed")
                     n = gr.Slider(1, 4, value=DEFAULTS.n, step=1, label="n samples", elem_id="n")
+                pipeline = gr.Checkbox(DEFAULTS.pipeline, label="Sampler pipeline", elem_id="sampler-pipeline",
+                                       info="click a greedy or sampled token: its distribution stage by stage, "
+                                            "and a what-if")
             with gr.Column(elem_id="col-speculative", min_width=220):
                 _mode_header("speculative")
                 proposer = gr.Radio(["ngram", "draft"], value=DEFAULTS.proposer, label="Proposer",
@@ -168,7 +172,8 @@ def build_app(service: Service) -> gr.Blocks:
         switch_btn = gr.Button(visible="hidden", elem_id="branch-switch")
 
         inputs = [prompt, chat, system, max_tokens, model, share, beam_width, length_penalty, beams_shown,
-                  temperature, top_k, top_p, min_p, seed, n, proposer, spec_k, constraint_type, constraint, compare]
+                  temperature, top_k, top_p, min_p, seed, n, proposer, spec_k, constraint_type, constraint, compare,
+                  pipeline]
         # always_last: a Run clicked while the last run still draws its summary (after every column is final)
         # runs next; Gradio's default ("once") would drop that click silently
         run_event = run_btn.click(h.run, inputs, [message, *outs, kv, steps, trace, chart, run_json], api_name="run",
@@ -195,7 +200,8 @@ def build_app(service: Service) -> gr.Blocks:
 
 def page_js() -> str:
     """The page's scripts as the one function Gradio runs on load."""
-    return "() => { " + " ".join(f"({p.read_text()})();" for p in (JS_PATH, TIPS_PATH, NEWEST_PATH)) + " }"
+    scripts = (JS_PATH, TIPS_PATH, NEWEST_PATH, PIPELINE_PATH)
+    return "() => { " + " ".join(f"({p.read_text()})();" for p in scripts) + " }"
 
 
 def launch(demo: gr.Blocks, host: str, port: int, **kw):

@@ -60,6 +60,7 @@
       send({ op: "fork", ...at, token_id: null, text: input.value }, "branch-fork");
     });
     pop.append(form);
+    window.dlPipeline?.(pop, tk);  // its sampler pipeline above the choices, when its request asked (pipeline.js)
     const r = tk.getBoundingClientRect();
     pop.style.left = `${window.scrollX + Math.max(4, Math.min(r.left, window.innerWidth - 280))}px`;
     pop.style.top = `${window.scrollY + r.bottom + 6}px`;

@@ -4,7 +4,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from shared.protocol import Completion, DoneEvent, DraftCheck, ErrorEvent, GenerationRequest, TokenEvent, TokenLogprob
+from shared.protocol import (
+    Completion,
+    DoneEvent,
+    DraftCheck,
+    ErrorEvent,
+    GenerationRequest,
+    SamplerStage,
+    TokenEvent,
+    TokenLogprob,
+)
 from web.beam_tree import BeamTree
 
 FINAL = ("done", "error", "cancelled", "invalid", "off")
@@ -20,6 +29,7 @@ class Token:
     entropy: float | None = None  # nats, of the raw distribution it was drawn from (TokenLogprob.entropy)
     masked: float | None = None  # structured outputs: the probability the grammar removed here (TokenLogprob.masked)
     draft: DraftCheck | None = None  # speculative: how the target judged the draft this token answers
+    stages: list[SamplerStage] | None = None  # params.sampler_stages: its sampler pipeline (TokenEvent.stages)
 
 
 @dataclass
@@ -103,6 +113,9 @@ class Column:
             self.beam_tree.feed(ev.beam)
         out = self.outputs.setdefault(ev.index, Output(ev.index))
         new = _tokens(ev.token_ids, ev.text_delta, ev.logprobs, ev.spec, getattr(ev, "drafts", None))
+        if ev.stages is not None and len(ev.stages) == len(new):
+            for token, stages in zip(new, ev.stages):
+                token.stages = stages
         if ev.reset:
             out.tokens, out.token_ids, out.text = new, list(ev.token_ids), ev.text_delta
         else:
@@ -127,6 +140,9 @@ class Column:
         if c.logprobs and len(c.logprobs) == len(c.token_ids):
             out.tokens = _tokens(c.token_ids, c.text, c.logprobs, marks if len(marks) == len(c.token_ids) else None,
                                  drafts)
+            if len(old.tokens) == len(out.tokens):  # the pipelines streamed only (DoneEvent carries none)
+                for token, streamed in zip(out.tokens, old.tokens):
+                    token.stages = streamed.stages
         else:  # no logprobs: keep what streamed (it adds up to the final text unless a stop string cut it)
             out.tokens = old.tokens if "".join(t.text for t in old.tokens) == c.text else [Token(c.text)]
         self.outputs[c.index] = out

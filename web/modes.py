@@ -17,6 +17,7 @@ from shared.protocol import ChatMessage, GenerationRequest, SamplingOptions, Str
 MODES = ("greedy", "beam", "sample", "speculative")
 TITLES = {"greedy": "Greedy", "beam": "Beam search", "sample": "Sampling", "speculative": "Speculative"}
 LOGPROBS = 5  # top alternatives shown on hover
+PIPELINE_TOKENS = 16  # "Sampler pipeline": tokens per stage the engine reports (the what-if view rebuilds from them)
 MAX_PROMPT_CHARS = 8000
 MAX_TOKENS_LIMIT = 1024
 CONSTRAINTS = ("none", "JSON schema", "regex", "choice")
@@ -45,6 +46,7 @@ class Settings:
     compare_proposers: bool = False  # also send the speculative request with the other proposer (Run.rival)
     constraint_type: str = "none"  # one of CONSTRAINTS
     constraint: str = ""  # the schema as JSON, the regex, or the choices one per line
+    pipeline: bool = False  # greedy and sampling ask for each token's sampler pipeline (params.sampler_stages)
 
 
 class InputError(ValueError):
@@ -105,6 +107,8 @@ def _options(mode: str, s: Settings) -> dict:
     common = dict(max_tokens=_int("max tokens", s.max_tokens), logprobs=LOGPROBS, mode=mode)
     if (constraint := structured_outputs(s)) is not None:  # none: the request stays as it was without the control
         common["structured_outputs"] = constraint
+    if s.pipeline and mode in ("greedy", "sample"):  # the engine traces these two modes' sampler only
+        common["sampler_stages"] = PIPELINE_TOKENS
     if mode == "greedy":
         return dict(common, temperature=0.0)
     if mode == "beam":

@@ -7,9 +7,10 @@ branch's full token list) and `data-alts` (the top alternatives as JSON [[id, te
 drawing when two handlers' frames reach the page out of order). A token's hover card is drawn by web/tips.js on
 hover from the token's facts: `data-alts` and `data-id`, `data-lp` (log-prob), `data-h` (entropy), `data-k` (the
 probability a grammar masked) and `data-d` (a speculative draft check, `_draft_data`); its kind of speculative token
-is its `m-` class. Each token also carries its shadings, `--u` (1 - p), `--h` (entropy / ENTROPY_SCALE) and, under a
-grammar, `--k` (the probability it masked): the "Shade tokens by" toggle only switches which one the stylesheet
-uses, so it needs no re-render.
+is its `m-` class. A token whose request asked for its sampler pipeline carries it in `data-s` (web/pipeline.py),
+drawn by web/pipeline.js above the branch choices when the token is clicked. Each token also carries its
+shadings, `--u` (1 - p), `--h` (entropy / ENTROPY_SCALE) and, under a grammar, `--k` (the probability it masked):
+the "Shade tokens by" toggle only switches which one the stylesheet uses, so it needs no re-render.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from shared.protocol import DraftCheck
 from web.beam_tree import beam_tree_html
 from web.branches import Branch, BranchTree
 from web.columns import Column, Output, Token
+from web.pipeline import stages_attr
 
 MODE_COLORS = {"greedy": "#2563eb", "beam": "#7c3aed", "sample": "#d97706", "speculative": "#059669"}
 STATUS = {"idle": "ready", "waiting": "waiting for the shared prompt", "queued": "queued", "running": "streaming",
@@ -89,6 +91,8 @@ def _token(t: Token, pos: int | None = None, extra: str = "") -> str:
         attrs += f' data-k="{t.masked:.4f}"'
     if t.draft is not None:
         attrs += f' data-d="{escape(json.dumps(_draft_data(t.draft)))}"'
+    if t.stages:  # its sampler pipeline, drawn by web/pipeline.js in the click popup
+        attrs += stages_attr(t.stages)
     body = escape(t.text).replace("\n", '<span class="nl">↵</span><br>')
     return f'<span class="{cls}{extra}"{attrs}>{body}</span>'
 

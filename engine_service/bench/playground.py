@@ -16,7 +16,8 @@ other), so there its TTFT is the whole run and it has no TPOT.
 Every path runs play's configuration unless told otherwise (server/play.apply_play_defaults: on a CPU int8 weights
 and one core left to the web UI and the browser, `--threads` cores - 1; the stack's OpenMP threads sleep while
 they wait, OMP_WAIT_POLICY=PASSIVE).
-Medians over --repeats runs of each. Writes benchmarks/results/playground.json and playground.png.
+Medians over --repeats runs of each. Writes benchmarks/results/playground.json and playground.png; with --pipeline
+(the "Sampler pipeline" box ticked: greedy and sampling carry each token's stages to the page) playground-pipeline.*.
 """
 from __future__ import annotations
 
@@ -70,6 +71,9 @@ def add_parser(bench_sub, add_engine_args) -> None:
                    help="which of browser, api, inprocess, breakdown to run")
     p.add_argument("--engine-port", type=int, default=8011)
     p.add_argument("--web-port", type=int, default=7871)
+    p.add_argument("--pipeline", action="store_true",
+                   help="with the 'Sampler pipeline' box ticked (greedy and sampling report each token's sampler "
+                        "stages; the OpenAI API path has no such field): writes playground-pipeline.json")
     p.add_argument("--out", default="benchmarks/results")
     p.set_defaults(func=run)
 
@@ -77,7 +81,7 @@ def add_parser(bench_sub, add_engine_args) -> None:
 def _requests(args) -> dict:
     from web.modes import Settings, build_request
 
-    settings = Settings(prompt=args.prompt, max_tokens=args.max_tokens)
+    settings = Settings(prompt=args.prompt, max_tokens=args.max_tokens, pipeline=getattr(args, "pipeline", False))
     return {m: build_request(m, settings) for m in MODES}
 
 
@@ -153,6 +157,8 @@ def _browser_runs(args, web_url: str, server_pids: dict[str, list[int]]) -> list
         box = page.locator("#max-tokens input[type=number]")
         box.fill(str(args.max_tokens))
         box.press("Tab")
+        if getattr(args, "pipeline", False):
+            page.locator("#sampler-pipeline input[type=checkbox]").check()
         pids = {**server_pids, "chromium": _chromium_pids(profile)}
         for i in range(args.repeats + 1):  # the first run warms the replica up and is not counted
             page.evaluate(WATCH_JS, [list(MODES), list(FINAL)])
@@ -188,7 +194,8 @@ async def _api_once(engine_url: str, requests: dict) -> dict:
     async def one(mode: str, req) -> dict:
         p = req.params
         body = {"model": "playground", "messages": [m.model_dump() for m in req.messages], "stream": True,
-                "logprobs": True, "top_logprobs": p.logprobs, **p.model_dump(exclude={"logprobs", "stop"})}
+                "logprobs": True, "top_logprobs": p.logprobs,
+                **p.model_dump(exclude={"logprobs", "stop", "sampler_stages"})}  # not an OpenAI API field
         t0, first, last, tokens = time.perf_counter(), None, None, 0
         async with httpx.AsyncClient(timeout=600) as http, http.stream(
                 "POST", f"{engine_url}/v1/chat/completions", json=body) as r:
@@ -270,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
     results = {"benchmark": "playground", "model": args.model, "prompt": args.prompt, "max_tokens": args.max_tokens,
                "repeats": args.repeats, "cpu": cpu_info(), "threads": args.threads or torch.get_num_threads(),
                "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(default)"),
-               "quantization": getattr(args, "quantization", None), "paths": {}}
+               "quantization": getattr(args, "quantization", None), "pipeline": args.pipeline, "paths": {}}
     if "browser" in paths or "api" in paths:
         stack, engine_url, web_url = _stack(args)
         try:
@@ -289,7 +296,7 @@ def run(args: argparse.Namespace) -> int:
         for name, b in results["breakdown"].items():
             print(f"{name:>10}: step {b['step_ms']:.1f} ms, {b['rows_per_step']:.1f} rows: " + ", ".join(
                 f"{k.removesuffix('_ms')} {v:.1f}" for k, v in b.items() if k.endswith("_ms") and k != "step_ms"))
-    path = write_results("playground", results, args.out)
+    path = write_results("playground-pipeline" if args.pipeline else "playground", results, args.out)
     _plot(results, path.with_suffix(".png"))
     for name, res in results["paths"].items():
         print(f"{name:>10}: wall {res['wall_s']:.2f} s  " + "  ".join(

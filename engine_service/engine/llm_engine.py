@@ -156,7 +156,9 @@ class LLMEngine:
         if to_sample:
             sampled = run_isolated(to_sample, lambda items: self._sample(logits, items), self._fail)
             now = time.monotonic()
-            for (seq, _), (token, logprob, top, ent, masked) in sampled:
+            for (seq, _), (token, logprob, top, ent, masked, stages) in sampled:
+                if stages is not None:  # before the token: appending it may finish the sequence
+                    seq.stages.append([s.to_dict() for s in stages])
                 self._append_token(seq, token, logprob, top, now, ent, masked)
                 touched[seq.request.request_id] = seq.request
         if spec:
@@ -171,13 +173,15 @@ class LLMEngine:
         return outputs
 
     def _sample(self, logits: torch.Tensor, items: list[tuple[Sequence, int]]) -> list[tuple]:
-        """(token, its log-prob, top {id: log-prob} or None, entropy or None, masked mass or None) per item."""
+        """(token, its log-prob, top {id: log-prob} or None, entropy or None, masked mass or None, its sampler
+        pipeline or None) per item."""
         out = sample(logits[[r for _, r in items]], self._sampling_batch([s for s, _ in items]))
         asked = [s.request.params.logprobs for s, _ in items]
         ents = out.entropy.tolist() if out.entropy is not None else [None] * len(items)
         masked = out.masked or [None] * len(items)
-        return [(*row, e if k is not None else None, m if k is not None else None)
-                for row, e, m, k in zip(out.rows(asked), ents, masked, asked)]
+        stages = out.stages or [None] * len(items)
+        return [(*row, e if k is not None else None, m if k is not None else None, st)
+                for row, e, m, k, st in zip(out.rows(asked), ents, masked, asked, stages)]
 
     def _verify(self, items: list[tuple[Sequence, torch.Tensor]], now: float) -> list[Request]:
         """Speculative sequences: keep the accepted drafts plus one target token; roll back the rest."""

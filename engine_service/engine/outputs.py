@@ -29,6 +29,8 @@ class CompletionOutput:
     # a dict with DraftCheck's fields (shared/protocol.py) but token ids only: position, draft_token_id, p_draft,
     # p_target, accept_prob, accepted, residual_token_id, residual_top [(id, probability)]
     drafts: list[dict | None] | None = None
+    # params.sampler_stages: per generated token, its sampler pipeline, StageRecord dicts raw first (pipeline.py)
+    stages: list[list[dict]] | None = None
 
 
 @dataclass
@@ -79,7 +81,8 @@ def request_output(req: "Request", detok: "Detokenizer", finished: bool, error: 
                                      s.logprobs) else None,
                                  masked=list(s.masked) if with_logprobs and s.grammar is not None and len(
                                      s.masked) == len(s.logprobs) else None,
-                                 drafts=list(s.draft_checks) if s.draft_checks is not None else None)
+                                 drafts=list(s.draft_checks) if s.draft_checks is not None else None,
+                                 stages=list(s.stages) if req.params.sampler_stages else None)
                 for s in sorted(req.seqs, key=lambda s: s.index)]
     if req.spec is not None:
         metrics.spec = req.spec.to_dict()

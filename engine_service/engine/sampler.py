@@ -3,6 +3,9 @@ logit_bias -> repetition penalty -> presence / frequency penalties -> (min_token
 -> top-k -> top-p -> min-p. (vLLM adds logit_bias before its penalties too; OpenAI's presence and frequency
 penalties count the generated tokens only, HF's repetition penalty the prompt as well.)
 
+Rows that ask for their sampler pipeline (SamplingParams.sampler_stages) get each stage's distribution from these
+tensors (pipeline.Tracer); a batch where none asks builds no tracer.
+
 Seeded rows draw their noise from their own generator, so a seeded request gives the same tokens
 whatever else is in the batch (the exponential-race trick: argmax(p / E), E ~ Exp(1), samples p).
 """
@@ -12,6 +15,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from engine_service.engine.pipeline import StageRecord, Tracer
 from engine_service.engine.sampling_params import SAMPLING_EPS, SamplingParams
 from engine_service.engine.structured import GrammarMask, apply_mask, masked_mass
 from kernels import cpu_logits
@@ -34,6 +38,7 @@ class SamplingBatch:
     logit_bias: list[dict[int, float]] | None = None  # per row: token id -> bias
     grammar: GrammarMask | None = None  # structured outputs: the allowed tokens of the constrained rows
     entropy: bool = False  # some row asked for logprobs: report each row's entropy too (else no cost)
+    stages: list[int] | None = None  # per row: top-N of its sampler pipeline (0: none); None when no row asks
 
     @property
     def writes_logits(self) -> bool:
@@ -71,6 +76,7 @@ class SamplingBatch:
             output_tokens=outputs, presence_penalty=presence, frequency_penalty=frequency,
             logit_bias=[p.logit_bias or {} for p in ps] if any(p.logit_bias for p in ps) else None,
             entropy=any(p.logprobs is not None for p in ps),
+            stages=[p.sampler_stages for p in ps] if any(p.sampler_stages for p in ps) else None,
         )
 
     def to(self, device: torch.device) -> "SamplingBatch":
@@ -92,6 +98,8 @@ class SamplerOutput:
     entropy: torch.Tensor | None = None  # [S] nats, of the raw distribution (SamplingBatch.entropy)
     # with SamplingBatch.entropy and a grammar: per row, the raw probability its mask removed (None: unconstrained)
     masked: list[float | None] | None = None
+    # with SamplingBatch.stages: per row, its sampler pipeline (pipeline.py); None for a row that did not ask
+    stages: list[list[StageRecord] | None] | None = None
 
     def rows(self, num_logprobs: list[int | None]) -> list[tuple[int, float, dict[int, float] | None]]:
         """Per row: (token, its log-prob, its top num_logprobs[row] {id: log-prob}, None when 0 or None)."""
@@ -185,19 +193,55 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
-def process_logits(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+def process_logits(logits: torch.Tensor, b: SamplingBatch, tracer: Tracer | None = None) -> torch.Tensor:
     """Everything HF's processors do before the final softmax (greedy rows keep temperature 1). May return `logits`
-    itself when nothing applies (no temperature but 1, no top-k, top-p or min-p): callers must not write to it."""
+    itself when nothing applies (no temperature but 1, no top-k, top-p or min-p): callers must not write to it.
+    `tracer` (pipeline.py) copies its rows after each stage; its rows take top-k and top-p as two steps."""
     # rows and sizes from the batch as built (on the CPU): no device syncs; each processor runs on the rows
     # that ask for it only (a greedy row in the batch costs no top-k / top-p work)
     top_k, top_p, vocab = b.top_k, b.top_p, logits.shape[1]
     k_rows = ((top_k > 0) & (top_k < vocab)).nonzero().flatten().tolist()  # top_k >= vocab keeps every token
     p_rows = (top_p < 1).nonzero().flatten().tolist()
     min_p_rows = (b.min_p > 0).nonzero().flatten().tolist()
-    scaled = bool(((b.temperature >= SAMPLING_EPS) & (b.temperature != 1.0)).any())  # dividing by 1 changes nothing
+    temp_rows = ((b.temperature >= SAMPLING_EPS) & (b.temperature != 1.0)).nonzero().flatten().tolist()
     b = b.to(logits.device)
+    if tracer is not None:
+        tracer.record("raw", logits)
     if b.grammar is not None:  # first, as vLLM: the processors then act on the tokens the grammar allows
         apply_mask(logits, b.grammar)
+        if tracer is not None:
+            tracer.record("grammar", logits, b.grammar.rows)
+    logits = _penalties(logits, b)
+    if tracer is not None:
+        tracer.record("penalties", logits, _penalised_rows(b))
+    if temp_rows:  # dividing by 1 changes nothing
+        logits = logits / torch.where(b.temperature >= SAMPLING_EPS, b.temperature, 1.0)[:, None]
+        if tracer is not None:
+            tracer.record("temperature", logits, temp_rows)
+    elif k_rows or p_rows or min_p_rows:
+        logits = logits.clone()  # _on_rows writes its rows in place: never into the caller's tensor
+    fused = []  # rows whose top-k and top-p run as one step
+    if p_rows and set(p_rows) <= set(k_rows) and logits.device.type == "cpu":  # sorts cost on a CPU, syncs do not
+        fused = [r for r in k_rows if tracer is None or r not in tracer.rows]
+        both = apply_top_k_top_p(logits[fused], top_k[fused], top_p[fused]) if fused else None
+        fused = fused if both is not None else []
+        if fused:
+            logits = _on_rows(logits, fused, lambda _: both)
+    k_rows, p_rows = [r for r in k_rows if r not in fused], [r for r in p_rows if r not in fused]
+    logits = _on_rows(logits, k_rows, lambda x: apply_top_k(x, top_k[k_rows]))
+    if tracer is not None:
+        tracer.record("top_k", logits, k_rows)
+    logits = _on_rows(logits, p_rows, lambda x: apply_top_p(x, b.top_p[p_rows]))
+    if tracer is not None:
+        tracer.record("top_p", logits, p_rows)
+    logits = _on_rows(logits, min_p_rows, lambda x: apply_min_p(x, b.min_p[min_p_rows]))
+    if tracer is not None:
+        tracer.record("min_p", logits, min_p_rows)
+    return logits
+
+
+def _penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """logit_bias, repetition penalty, presence / frequency penalties, then the min_tokens ban, as HF orders them."""
     if b.logit_bias is not None:
         logits = apply_logit_bias(logits, b.logit_bias)
     if b.seen_tokens is not None:
@@ -207,19 +251,19 @@ def process_logits(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     for row, banned in enumerate(b.banned_tokens):
         if banned:
             logits[row, banned] = float("-inf")
-    if scaled:
-        logits = logits / torch.where(b.temperature >= SAMPLING_EPS, b.temperature, 1.0)[:, None]
-    elif k_rows or p_rows or min_p_rows:
-        logits = logits.clone()  # _on_rows writes its rows in place: never into the caller's tensor
-    both = None
-    if p_rows and set(p_rows) <= set(k_rows) and logits.device.type == "cpu":  # sorts cost on a CPU, syncs do not
-        both = apply_top_k_top_p(logits[k_rows], top_k[k_rows], top_p[k_rows])
-    if both is not None:
-        logits = _on_rows(logits, k_rows, lambda _: both)
-    else:
-        logits = _on_rows(logits, k_rows, lambda x: apply_top_k(x, top_k[k_rows]))
-        logits = _on_rows(logits, p_rows, lambda x: apply_top_p(x, b.top_p[p_rows]))
-    return _on_rows(logits, min_p_rows, lambda x: apply_min_p(x, b.min_p[min_p_rows]))
+    return logits
+
+
+def _penalised_rows(b: SamplingBatch) -> list[int]:
+    """The rows _penalties changes (a traced row's pipeline shows the stage only there)."""
+    rows = {r for r, banned in enumerate(b.banned_tokens) if banned}
+    rows |= {r for r, bias in enumerate(b.logit_bias or []) if bias}
+    if b.seen_tokens is not None:  # a penalty with tokens to act on
+        rows |= set(((b.repetition_penalty != 1.0) & (b.seen_tokens >= 0).any(dim=1)).nonzero().flatten().tolist())
+    if b.output_tokens is not None:
+        asked = (b.presence_penalty != 0) | (b.frequency_penalty != 0)
+        rows |= set((asked & (b.output_tokens >= 0).any(dim=1)).nonzero().flatten().tolist())
+    return sorted(rows)
 
 
 def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
@@ -227,7 +271,8 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
     # needs the full log-prob rows
     stats = cpu_logits.logit_stats(logits, b.num_logprobs) if b.grammar is None and cpu_logits.applies(logits) else None
     raw_logprobs = logits.log_softmax(dim=1) if stats is None else None
-    processed = process_logits(logits.clone() if b.writes_logits else logits, b)
+    tracer = Tracer([r for r, n in enumerate(b.stages) if n], [n for n in b.stages if n]) if b.stages else None
+    processed = process_logits(logits.clone() if b.writes_logits else logits, b, tracer)
     rows = (b.temperature >= SAMPLING_EPS).nonzero().flatten().tolist()  # sampled rows (the batch is on the CPU)
     if not rows:
         tokens = processed.argmax(dim=1)
@@ -239,17 +284,19 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
         cut = ((b.top_k > 0) | (b.top_p < 1) | (b.min_p > 0)).tolist()
         for r in rows:
             tokens[r] = _race(processed[r], b.generators[r], cut[r])
+    stages = tracer.summarize(tokens) if tracer is not None else None
     if stats is not None:  # logits is unchanged: process_logits wrote to a clone, or to new tensors
         lse, ent, top_ids, top_lp = stats
         chosen = logits.gather(1, tokens[:, None]).squeeze(1) - lse
         return SamplerOutput(tokens, chosen, top_ids if b.num_logprobs > 0 else None,
-                             top_lp if b.num_logprobs > 0 else None, ent if b.entropy else None)
+                             top_lp if b.num_logprobs > 0 else None, ent if b.entropy else None, stages=stages)
     chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
     top_ids = top_lp = None
     if b.num_logprobs > 0:
         top_lp, top_ids = raw_logprobs.topk(b.num_logprobs, dim=1)
     masked = masked_mass(raw_logprobs, b.grammar) if b.entropy and b.grammar is not None else None
-    return SamplerOutput(tokens, chosen, top_ids, top_lp, entropy(raw_logprobs) if b.entropy else None, masked)
+    return SamplerOutput(tokens, chosen, top_ids, top_lp, entropy(raw_logprobs) if b.entropy else None, masked,
+                         stages)
 
 
 def _race(row: torch.Tensor, generator: torch.Generator | None, cut: bool) -> torch.Tensor:

@@ -39,6 +39,9 @@ class StructuredOutputsParams:
             raise ValueError("structured_outputs: json_object and disable_any_whitespace must be true or false")
 
 
+MAX_STAGE_TOKENS = 64  # sampler_stages: tokens reported per stage (the what-if view rebuilds from them)
+
+
 @dataclass
 class SamplingParams:
     """Per-request decoding parameters; field names follow vLLM."""
@@ -63,6 +66,9 @@ class SamplingParams:
     logprobs: int | None = None
     # per prompt token after the first: {id: log-prob} of its top-N plus the token itself (RequestOutput)
     prompt_logprobs: int | None = None
+    # the sampler pipeline per generated token (pipeline.py): the distribution after each processor, its top-N
+    # tokens; 0: off (no cost). Greedy and sample modes.
+    sampler_stages: int = 0
     # decoding mode; None derives it from temperature (0 -> greedy, else sample)
     mode: str | None = None
     beam_width: int = 1
@@ -122,6 +128,10 @@ class SamplingParams:
         if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
                                                  or not 0 <= self.prompt_logprobs <= 20):
             bad("prompt_logprobs", f"must be an integer in [0, 20], got {self.prompt_logprobs!r}")
+        if not isinstance(self.sampler_stages, int) or not 0 <= self.sampler_stages <= MAX_STAGE_TOKENS:
+            bad("sampler_stages", f"must be an integer in [0, {MAX_STAGE_TOKENS}], got {self.sampler_stages!r}")
+        if self.sampler_stages and self.mode in ("beam", "speculative"):
+            bad("sampler_stages", f"reported in greedy and sample modes only, got mode={self.mode!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and -2 <= value <= 2):

@@ -32,6 +32,8 @@ class Sequence:
     entropies: list[float] = field(default_factory=list)  # beside logprobs: nats of each raw distribution
     # beside logprobs, with a grammar: the raw probability the grammar's mask removed at each position
     masked: list[float | None] = field(default_factory=list)
+    # params.sampler_stages: per generated token, its sampler pipeline (pipeline.StageRecord dicts)
+    stages: list[list[dict]] = field(default_factory=list)
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     text: str = ""

@@ -20,6 +20,7 @@ from shared.protocol import (
     ErrorEvent,
     Metrics,
     PromptScores,
+    SamplerStage,
     TokenEvent,
     TokenLogprob,
 )
@@ -78,6 +79,14 @@ def draft_checks(tokenizer, drafts: list[dict | None] | None) -> list[DraftCheck
     return out
 
 
+def sampler_stages(tokenizer, stages: list[list[dict]] | None) -> list[list[SamplerStage]] | None:
+    """The engine's per-token sampler pipelines (CompletionOutput.stages) with the tokens' text."""
+    if stages is None:
+        return None
+    return [[SamplerStage(**{**s, "top": [(t, token_text(tokenizer, t), p) for t, p in s["top"]]}) for s in token]
+            for token in stages]
+
+
 def beam_events(tokenizer, events: list[dict] | None) -> list[BeamEvent] | None:
     """The engine's beam-tree changes (RequestOutput.beam_events) with the tokens' text."""
     if not events:
@@ -115,12 +124,13 @@ def token_events(job: Job, out, tokenizer) -> list[TokenEvent]:
             ents, masked = getattr(comp, "entropies", None), getattr(comp, "masked", None)
             logprobs = token_logprobs(tokenizer, new_ids, comp.logprobs[start:], ents[start:] if ents else None,
                                       masked[start:] if masked else None)
-        marks, drafts = comp.spec_marks, getattr(comp, "drafts", None)
+        marks, drafts, stages = comp.spec_marks, getattr(comp, "drafts", None), getattr(comp, "stages", None)
         events.append(TokenEvent(request_id=job.rid, seq=job.next_seq(), attempt=job.attempt, index=comp.index,
                                  text_delta=comp.text if reset else comp.text[len(sent_text):], token_ids=new_ids,
                                  reset=reset, logprobs=logprobs, spec=marks[start:] if marks is not None else None,
                                  drafts=draft_checks(tokenizer, drafts[start:] if drafts is not None else None),
-                                 prompt=None if events else new_prompt, beam=tree if comp.index == 0 else None))
+                                 prompt=None if events else new_prompt, beam=tree if comp.index == 0 else None,
+                                 stages=sampler_stages(tokenizer, stages[start:] if stages is not None else None)))
         job.sent[comp.index] = (comp.text, list(comp.token_ids))
     return events
 
