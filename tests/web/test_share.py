@@ -178,6 +178,8 @@ def test_a_shared_run_reopens_token_for_token_after_a_restart_and_as_a_file(shar
     before, before_trace = shown(page), trace(page)
     assert all(before[m]["text"].count('class="tk') >= 1 for m in MODES)
 
+    replicas[0].kill()  # the replica that ran it dies and starts again (loading while the run is shared)
+    replicas.append(start_replica())
     page.locator("#share-run").click()
     link = page.locator("#dl-share a[data-run]")
     expect(link).to_have_attribute("href", re.compile(r"^http://127\.0\.0\.1:\d+/\?run=[\w-]{16}$"))
@@ -185,15 +187,17 @@ def test_a_shared_run_reopens_token_for_token_after_a_restart_and_as_a_file(shar
     saved = json.loads(_download(page, tmp_path, "saved.json").read_text())
     assert saved["kind"] == "decodelab-run" and saved["v"] == 1
 
-    replicas[0].stop()  # the replica that ran it goes, a new one comes; a second playground opens the link
-    replicas.append(start_replica().wait_ready())
-    other = WebApp(redis_url, keys)
+    other = WebApp(redis_url, keys)  # a second playground of the deployment opens the link, once the replica is back
     try:
+        replicas[-1].wait_ready()
         fresh = browser.new_page()
         fresh.goto(f"{other.url}?run={run_id}")
         expect(fresh.locator("#rerun")).to_be_visible(timeout=15_000)
         assert wait_columns_final(fresh, 10_000) == dict.fromkeys(MODES, "done")
         assert shown(fresh) == before and trace(fresh) == before_trace
+        fresh.locator("#out-greedy .dl-col > .txt .tk").nth(2).click()  # branching sends requests: not here
+        fresh.locator("#dl-pop .alt").nth(1).click()
+        expect(fresh.locator("#dl-message .dl-msg.error")).to_contain_text("read-only", timeout=5_000)
         fresh.locator("#share-run").click()  # saved again from the re-opened run: the same numbers, exactly
         expect(fresh.locator("#download-run")).to_be_enabled()
         again = json.loads(_download(fresh, tmp_path, "again.json").read_text())
