@@ -198,8 +198,9 @@ def _proposer_card(col: Column, greedy: Column | None, k: int) -> str:
 
 
 def _curve_html(col: Column, k: int) -> str:
-    """The column's acceptance on the speed-up curve (web/spec_curve.py)."""
-    rate = col.acceptance_rate(k)
+    """The column's acceptance on the speed-up curve (web/spec_curve.py), once it ended: while streaming, frames stay
+    the size they were (the curve is 3-4 kB, and the estimate it would show is the ≈ one above)."""
+    rate = col.acceptance_rate(k) if col.finished else None
     return spec_curve_html(rate[0], k, col.tokens_per_step(), rate[1]) if rate is not None else ""
 
 

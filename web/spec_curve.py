@@ -15,6 +15,7 @@ from html import escape
 W, H = 300, 150  # the plot's viewBox
 PAD_L, PAD_R, PAD_T, PAD_B = 30, 36, 8, 26
 OTHER_K = (1, 2, 4, 8)  # faint curves beside the run's own k, for scale
+POINTS = 25  # per curve: smooth at this size, and the column is re-sent on every frame of a run
 COLOR = "#059669"  # the speculative column's (web/render.py MODE_COLORS)
 # presentation attributes, not stylesheet rules: the drawing carries its own look
 STYLE = {"sc-c": f'fill="none" stroke="{COLOR}" stroke-width="2"',
@@ -39,7 +40,7 @@ def _y(tokens: float, top: float) -> float:
 
 
 def _curve(k: int, top: float, cls: str) -> str:
-    pts = " ".join(f"{_x(a / 50):.1f},{_y(expected_tokens(a / 50, k), top):.1f}" for a in range(51))
+    pts = " ".join(f"{_x(a / POINTS):.1f},{_y(expected_tokens(a / POINTS, k), top):.1f}" for a in range(POINTS + 1))
     label = f'<text class="sc-k" x="{_x(1.0) + 3:.1f}" y="{_y(k + 1.0, top) + 3:.1f}">k={k}</text>'
     return f'<polyline class="{cls}" data-k="{k}" points="{pts}" {STYLE[cls]}/>{label}'
 
@@ -76,7 +77,7 @@ def spec_curve_html(alpha: float | None, k: int, measured: float | None = None, 
     data = f'data-alpha="{alpha:.4f}" data-k="{k}" data-expected="{expected:.4f}"'
     if measured is not None:
         data += f' data-measured="{measured:.4f}"'
-    svg = (f'<svg class="sc-plot" viewBox="0 0 {W} {H}" role="img" aria-label="{escape(caption)}" font-size="9" '
+    svg = (f'<svg class="sc-plot" viewBox="0 0 {W} {H}" role="img" aria-label="speed-up curve" font-size="9" '
            f'fill="currentColor" style="width:100%;max-width:360px">{_axes(top)}{curves}{ring}{dot}</svg>')
     return (f'<div class="spec-curve" {data}><div class="cap">tokens per step: (1 − α<sup>k+1</sup>) / (1 − α)</div>'
             f'{svg}<div class="sc-note">{escape(caption)}</div></div>')

@@ -53,7 +53,7 @@ def test_the_curve_marks_the_run_s_acceptance_on_its_k_and_what_it_measured():
     assert 'data-measured="3.1000"' in box
     bold = re.search(r'<polyline class="sc-c" data-k="4" points="([^"]*)"', html).group(1).split()
     dot = re.search(r'<circle class="sc-dot" cx="([\d.]+)" cy="([\d.]+)"', html).groups()
-    assert f"{dot[0]},{dot[1]}" == bold[40]  # alpha 0.8 is the 41st of the 51 points: the dot sits on the curve
+    assert f"{dot[0]},{dot[1]}" == bold[20]  # alpha 0.8 is the 21st of the 26 points: the dot sits on the curve
     assert html.count('class="sc-o"') == 3  # k = 1, 2, 8 beside it, for scale
     assert spec_curve_html(None, 4) == ""
 
