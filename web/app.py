@@ -203,6 +203,9 @@ def build_app(service: Service) -> gr.Blocks:
         loaded = demo.load(h.load, None, [service_html, kv, model, compare, proposer], api_name=False, queue=False)
         _share_events(share_view.ShareHandlers(h), inputs, [message, *outs, kv, steps, trace, chart, run_json],
                       share_btn, download_btn, upload_btn, share_html, rerun_btn, loaded)
+        # a new run: the last one's link, file and re-run button go (Share saves the new one)
+        gr.on([run_btn.click, prompt.submit], share_view.cleared, None, [share_html, download_btn, rerun_btn],
+              api_name=False, queue=False)
         demo.unload(h.unload)
     return demo
 

@@ -45,6 +45,11 @@ def settings_values(s: Settings, share_prompt: bool, live: dict[str, dict]) -> l
             s.constraint_type, s.constraint, s.compare_proposers and has_draft]
 
 
+def cleared() -> tuple:
+    """The share controls as before any Share: no link, nothing to download, no saved run to re-run."""
+    return "", gr.DownloadButton(value=None, interactive=False), gr.Button(visible=False)
+
+
 class ShareHandlers:
     def __init__(self, handlers: Handlers):
         self.h = handlers
