@@ -22,7 +22,7 @@ import zlib
 from dataclasses import asdict
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
 from shared.keys import Keys
 from shared.monitor import KVSnapshot, StepRecord
@@ -174,9 +174,17 @@ class SavedRun(_Saved):
     roofs: dict[str, dict] = {}
 
 
+def _settings(s: Settings) -> Settings:
+    """The controls' values as their types (sliders may give 64.0 for 64): the document then says 64."""
+    try:
+        return TypeAdapter(Settings).validate_python(asdict(s))
+    except ValidationError as e:
+        raise ShareError(f"settings: {e.errors()[0]['loc'][0]}: {e.errors()[0]['msg']}") from None
+
+
 def saved_run(run) -> SavedRun:
     """The run as a document (web.session.Run: not imported, it imports this module's neighbours)."""
-    return SavedRun(saved_at=time.time(), settings=run.settings, share_prompt=run.share_prompt,
+    return SavedRun(saved_at=time.time(), settings=_settings(run.settings), share_prompt=run.share_prompt,
                     trees={m: SavedTree.of(t) for m, t in run.trees.items()},
                     rival=SavedColumn.of(run.rival) if run.rival is not None else None, started_at=run.started_at,
                     message=run.message, kv=run.kv, kv_peak=run.kv_peak, steps=run.step_lists(), roofs=run.roofs)

@@ -61,7 +61,7 @@ def test_the_curve_marks_the_run_s_acceptance_on_its_k_and_what_it_measured():
 # ---- the document
 def _run() -> Run:
     """A run whose greedy, beam and speculative columns hold what the engine streams (no engine)."""
-    run = Run(Service("redis://127.0.0.1:1/0", Keys("t")), Settings(prompt="Hi", spec_k=2, max_tokens=3))
+    run = Run(Service("redis://127.0.0.1:1/0", Keys("t")), Settings(prompt="Hi", spec_k=2, max_tokens=3.0))
     for mode, col in run.columns.items():
         col.request = GenerationRequest(prompt="Hi", params=SamplingOptions(max_tokens=3, logprobs=2, mode=mode))
         lps = [TokenLogprob(token_id=5 + i, token=f"t{i}", logprob=-0.1 * (i + 1) / 3, entropy=0.7,
@@ -88,6 +88,7 @@ def _same(a: share.SavedRun, b: share.SavedRun) -> bool:
 
 def test_a_saved_run_comes_back_equal_from_its_file_and_its_redis_value():
     doc = share.saved_run(_run())
+    assert type(doc.settings.max_tokens) is int  # as the slider meant it (it gave 3.0)
     for back in (share.loads(share.dumps(doc)), share.unpack(share.pack(doc))):
         assert back == doc
         again = Run(Service("redis://127.0.0.1:1/0", Keys("t")), back.settings)
