@@ -151,6 +151,11 @@ def shown(page) -> dict:
     return page.evaluate(SHOWN_JS, list(MODES))
 
 
+def stamps(page) -> dict[str, int]:
+    """Each column's drawing stamp (web/render.py drawing_stamp: later drawings, larger stamps)."""
+    return {m: int(page.locator(f"#out-{m} .dl-col").get_attribute("data-seq")) for m in MODES}
+
+
 def trace(page) -> dict[str, str]:
     return {m: page.locator(f'#trace polyline.tr-p[data-mode="{m}"]').get_attribute("data-p") for m in MODES}
 
@@ -223,11 +228,17 @@ def test_a_shared_run_reopens_token_for_token_after_a_restart_and_as_a_file(shar
     expect(page.locator("#dl-message .dl-msg.error")).to_contain_text("over the 8 MiB limit", timeout=5_000)
     assert shown(page) == before  # the run shown stays
 
+    drawn = stamps(page)
     page.locator("#rerun").click()  # live again, with the saved settings, on the new replica
     expect(page.locator("#rerun")).to_be_hidden()
     expect(page.locator("#prompt textarea")).to_have_value("Sharing check: the quick brown fox")
-    expect(page.locator("#out-greedy .dl-col")).to_have_attribute("data-status", re.compile("queued|running|done"))
-    assert wait_columns_final(page, 60_000) == dict.fromkeys(MODES, "done")
+    # every column drawn anew (a later stamp than the saved run's drawing) and ended
+    page.wait_for_function("""([modes, drawn]) => modes.every(m => {
+        const el = document.querySelector('#out-' + m + ' .dl-col');
+        return Number(el.dataset.seq) > drawn[m] && ['done', 'error', 'cancelled', 'invalid'].includes(
+            el.dataset.status); })""", arg=[list(MODES), drawn], timeout=60_000)
+    assert {m: page.locator(f"#out-{m} .dl-col").get_attribute("data-status") for m in MODES} == dict.fromkeys(
+        MODES, "done")
     live = shown(page)
     greedy_ids = [int(i) for i in re.findall(r'data-id="(\d+)"', live["greedy"]["text"])]
     assert greedy_ids == [int(i) for i in re.findall(r'data-id="(\d+)"', before["greedy"]["text"])]
