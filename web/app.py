@@ -13,7 +13,7 @@ from pathlib import Path  # noqa: E402
 
 import gradio as gr  # noqa: E402
 
-from web import handlers, share_view  # noqa: E402
+from web import handlers, share, share_view  # noqa: E402
 from web.modes import CONSTRAINTS, MAX_TOKENS_LIMIT, MODES, Settings  # noqa: E402
 from web.roofline import roofline_html  # noqa: E402
 from web.session import Service  # noqa: E402
@@ -231,6 +231,8 @@ def page_js() -> str:
 
 def launch(demo: gr.Blocks, host: str, port: int, **kw):
     demo.queue(default_concurrency_limit=None, max_size=256)
+    # uploads are run files only: Gradio refuses anything far past their cap before it reaches the disk
     return demo.launch(server_name=host, server_port=port, theme=theme(), css_paths=[CSS_PATH], ssr_mode=False,
-                       js=page_js(), show_error=True, quiet=kw.pop("quiet", False), **kw)
+                       js=page_js(), show_error=True, quiet=kw.pop("quiet", False),
+                       max_file_size=2 * share.MAX_FILE_BYTES, **kw)
 
