@@ -197,6 +197,8 @@ def test_a_shared_run_reopens_token_for_token_after_a_restart_and_as_a_file(shar
     try:
         replicas[-1].wait_ready()
         fresh = browser.new_page()
+        fresh.goto(f"{other.url}?run=NoSuchRun0000000")  # expired, or never saved: a message, the page as it was
+        expect(fresh.locator("#dl-message .dl-msg.error")).to_contain_text("no saved run NoSuchRun0000000")
         fresh.goto(f"{other.url}?run={run_id}")
         expect(fresh.locator("#rerun")).to_be_visible(timeout=15_000)
         assert wait_columns_final(fresh, 10_000) == dict.fromkeys(MODES, "done")
