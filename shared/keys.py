@@ -80,3 +80,6 @@ class Keys:
 
     def steps(self, name: str) -> str:  # stream: replica's engine steps (shared.monitor.StepRecord), capped, with a TTL
         return f"{self.prefix}:steps:{name}"
+
+    def shared_run(self, run_id: str) -> str:  # a playground run saved for a link (?run=<id>), with a TTL
+        return f"{self.prefix}:run:{run_id}"

@@ -13,7 +13,7 @@ from pathlib import Path  # noqa: E402
 
 import gradio as gr  # noqa: E402
 
-from web import handlers  # noqa: E402
+from web import handlers, share, share_view  # noqa: E402
 from web.modes import CONSTRAINTS, MAX_TOKENS_LIMIT, MODES, Settings  # noqa: E402
 from web.roofline import roofline_html  # noqa: E402
 from web.session import Service  # noqa: E402
@@ -40,6 +40,9 @@ HEADERS = {
 }
 PERSON_SCHEMA = ('{"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},\n'
                  ' "required": ["name", "age"]}')
+REPEAT_PROMPT = ("Repeat the following text exactly, word for word:\n\nThe Moon is Earth's only natural satellite. "
+                 "It orbits at an average distance of 384,400 km, about 30 times the diameter of Earth. The Moon "
+                 "always shows the same side to Earth, because its rotation is locked to its orbit.")
 EXAMPLES = [  # (chip label, prompt, chat template?, system prompt, constraint type, constraint)
     ("Why is the sky blue?", "Explain in three sentences why the sky is blue.", True, "", "none", ""),
     ("The planets, one per line", "List the planets of the solar system, one per line, with one fact about each.",
@@ -51,6 +54,8 @@ EXAMPLES = [  # (chip label, prompt, chat template?, system prompt, constraint t
      "none", ""),
     ("JSON schema: a person", "Invent a person: give their name and age as JSON.", True, "", "JSON schema",
      PERSON_SCHEMA),
+    # the model copies its context: the n-gram proposer drafts it (SmolLM2 int8 accepts ~88% of 4 drafts here)
+    ("Speculation shines: repeat a text", REPEAT_PROMPT, True, "", "none", ""),
 ]
 CONSTRAINT_INFO = "every column's output must match it (the engine masks the tokens that would break it)"
 
@@ -102,6 +107,13 @@ def build_app(service: Service) -> gr.Blocks:
                 with gr.Row():
                     run_btn = gr.Button("Run", variant="primary", elem_id="run")
                     stop_btn = gr.Button("Stop", variant="stop", elem_id="stop")
+                with gr.Row():  # web/share_view.py: a link, a file, and back to live
+                    share_btn = gr.Button("Share", size="sm", elem_id="share-run")
+                    download_btn = gr.DownloadButton("Download", size="sm", interactive=False, elem_id="download-run")
+                    upload_btn = gr.UploadButton("Open file", size="sm", file_types=[".json"], type="filepath",
+                                                 elem_id="upload-run")
+                share_html = gr.HTML(elem_id="dl-share")
+                rerun_btn = gr.Button("Re-run live", size="sm", variant="primary", visible=False, elem_id="rerun")
         with (gr.Accordion("Constraint (structured output, all four columns)", open=False,
                            elem_id="constraint") as constraint_box,
               gr.Row(equal_height=True)):
@@ -193,9 +205,28 @@ def build_app(service: Service) -> gr.Blocks:
         timer = gr.Timer(1.0)
         timer.tick(h.tick, None, [service_html, kv], api_name=False, concurrency_limit=None,
                    show_progress="hidden", queue=False)
-        demo.load(h.load, None, [service_html, kv, model, compare], api_name=False, queue=False)
+        loaded = demo.load(h.load, None, [service_html, kv, model, compare, proposer], api_name=False, queue=False)
+        _share_events(share_view.ShareHandlers(h), inputs, [message, *outs, kv, steps, trace, chart, run_json],
+                      share_btn, download_btn, upload_btn, share_html, rerun_btn, loaded)
+        # a new run: the last one's link, file and re-run button go (Share saves the new one)
+        gr.on([run_btn.click, prompt.submit], share_view.cleared, None, [share_html, download_btn, rerun_btn],
+              api_name=False, queue=False)
         demo.unload(h.unload)
     return demo
+
+
+def _share_events(s: share_view.ShareHandlers, inputs: list, frame: list, share_btn: gr.Button,
+                  download_btn: gr.DownloadButton, upload_btn: gr.UploadButton, share_html: gr.HTML,
+                  rerun_btn: gr.Button, loaded) -> None:
+    """Share (a link and a download), open a link (`?run=`) or a file read-only, re-run it live in one click."""
+    share_btn.click(s.save, None, [share_html, download_btn], api_name=False, concurrency_limit=None).then(
+        None, js=share_view.LINK_JS)
+    # after the page's own load, so that its live KV panel does not land over the saved run's
+    loaded.then(s.open_link, None, [*frame, share_html, rerun_btn], api_name=False, concurrency_limit=None).then(
+        None, js=share_view.LINK_JS)
+    upload_btn.upload(s.upload, upload_btn, [*frame, share_html, rerun_btn], api_name=False, concurrency_limit=None)
+    rerun_btn.click(s.rerun_values, None, [*inputs, share_html, rerun_btn], api_name=False, queue=False).then(
+        s.h.run, inputs, frame, api_name=False, concurrency_limit=None, show_progress="hidden")
 
 
 def page_js() -> str:
@@ -206,6 +237,8 @@ def page_js() -> str:
 
 def launch(demo: gr.Blocks, host: str, port: int, **kw):
     demo.queue(default_concurrency_limit=None, max_size=256)
+    # uploads are run files only: Gradio refuses anything far past their cap before it reaches the disk
     return demo.launch(server_name=host, server_port=port, theme=theme(), css_paths=[CSS_PATH], ssr_mode=False,
-                       js=page_js(), show_error=True, quiet=kw.pop("quiet", False), **kw)
+                       js=page_js(), show_error=True, quiet=kw.pop("quiet", False),
+                       max_file_size=2 * share.MAX_FILE_BYTES, **kw)
 

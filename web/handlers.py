@@ -59,6 +59,14 @@ def compare_control(live: dict[str, dict]) -> gr.Checkbox:
                                               "prompt, side by side")
 
 
+def proposer_control(live: dict[str, dict]) -> gr.Radio:
+    """The draft proposer is offered only when a replica has a draft model; n-gram always."""
+    if any(r.get("draft_model") for r in live.values()):
+        return gr.Radio(choices=["ngram", "draft"], info="n-gram: copy from the context; draft: a small model")
+    return gr.Radio(choices=["ngram"], value="ngram",
+                    info="n-gram: copy from the context (a draft model: no replica has one)")
+
+
 class Handlers:
     def __init__(self, service: Service):
         self.service = service
@@ -170,6 +178,8 @@ class Handlers:
             c = _command(cmd)
             if run is None:
                 raise BranchError("Run first, then click a token to branch from it.")
+            if run.shared:
+                raise BranchError("This is a saved run, read-only: Re-run it live to branch from its tokens.")
             parent = run.trees[c["mode"]].get(c["branch"])
             shown = parent.tokens()
             alts = {tid: lp for tid, _, lp in shown[c["pos"]].top} if c["pos"] < len(shown) else {}
@@ -208,8 +218,8 @@ class Handlers:
         ok, live = await self.service.health()
         status = service_html(self.service, ok, live)
         run = self.runs.get(request.session_hash if request is not None else "")
-        if run is not None and not run.finished:
-            return status, gr.skip()  # the run's own updates draw the KV panel
+        if run is not None and (not run.finished or run.shared):
+            return status, gr.skip()  # the run's own updates draw the KV panel; a saved run shows its own
         return status, await self._kv_html(run)
 
     async def _kv_html(self, run: Run | None) -> str:
@@ -220,7 +230,8 @@ class Handlers:
         ok, live = await self.service.health()
         models = sorted({str(r["model"]) for r in live.values() if r.get("model")})
         dropdown = gr.Dropdown(choices=models, value=models[0] if len(models) == 1 else None)
-        return service_html(self.service, ok, live), await self._kv_html(None), dropdown, compare_control(live)
+        return (service_html(self.service, ok, live), await self._kv_html(None), dropdown, compare_control(live),
+                proposer_control(live))
 
     async def unload(self, request: gr.Request):
         run = self.runs.pop(request.session_hash if request is not None else "", None)

@@ -24,6 +24,7 @@ from web.beam_tree import beam_tree_html
 from web.branches import Branch, BranchTree
 from web.columns import Column, Output, Token
 from web.pipeline import stages_attr
+from web.spec_curve import spec_curve_html
 
 MODE_COLORS = {"greedy": "#2563eb", "beam": "#7c3aed", "sample": "#d97706", "speculative": "#059669"}
 STATUS = {"idle": "ready", "waiting": "waiting for the shared prompt", "queued": "queued", "running": "streaming",
@@ -200,6 +201,13 @@ def _proposer_card(col: Column, greedy: Column | None, k: int) -> str:
             f'</div>{_by_position_html(col, k)}</div>')
 
 
+def _curve_html(col: Column, k: int) -> str:
+    """The column's acceptance on the speed-up curve (web/spec_curve.py), once it ended: while streaming, frames stay
+    the size they were (the curve is 3-4 kB, and the estimate it would show is the ≈ one above)."""
+    rate = col.acceptance_rate(k) if col.finished else None
+    return spec_curve_html(rate[0], k, col.tokens_per_step(), rate[1]) if rate is not None else ""
+
+
 def _spec_html(col: Column, greedy: Column | None, k: int, rival: Column | None = None) -> str:
     """The speculative numbers; with a `rival` (compare proposers: the same request with the other proposer),
     the two proposers side by side."""
@@ -220,6 +228,7 @@ def _spec_html(col: Column, greedy: Column | None, k: int, rival: Column | None 
                 f'{_metric(drafted, "from draft", "share of the output the proposer wrote")}'
                 f'{_metric(speed, "vs greedy", "decode speed-up: greedy TPOT / speculative TPOT")}'
                 f'</div>{_by_position_html(col, k)}')
+    head += _curve_html(col, k)
     return (f'<div class="spec">{head}<div class="specbar">{bar}</div>'
             '<div class="legend"><span class="tk m-accepted">accepted</span> <span class="tk m-resampled">'
             'resampled</span> <span class="tk m-bonus">bonus</span> <span class="tk m-target">target only</span>'

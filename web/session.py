@@ -92,6 +92,7 @@ class Run:
         self._prefilled = asyncio.Event()
         self.loop: asyncio.AbstractEventLoop | None = None
         self.pace = 0.0  # the caller's minimum pause before the next update (e.g. from the size of the last one)
+        self.shared: str | None = None  # a saved run re-opened (web/share.py): its link id or file name; read-only
 
     @property
     def finished(self) -> bool:

@@ -43,11 +43,11 @@ def _keys(name: str) -> Keys:
     return Keys(f"web-{name}-{uuid.uuid4().hex[:6]}")
 
 
-def _stack(redis_url: str, model, served: str, name: str, kv_blocks: int):
+def _stack(redis_url: str, model, served: str, name: str, kv_blocks: int, *extra: str):
     """A replica of `model` and the playground on a fresh key prefix; the replica loads while the web starts."""
     keys = _keys(served.split("-")[0])
     replica = Replica(model, redis_url, keys, name, "--num-kv-blocks", str(kv_blocks), "--max-num-seqs", "16",
-                      served=served)
+                      *extra, served=served)
     web = WebApp(redis_url, keys)
     try:
         replica.wait_ready()
@@ -72,7 +72,8 @@ def tiny_reference(tiny_llama_dir):
 
 @pytest.fixture(scope="session")
 def smol_stack(redis_server, smollm2_dir):
-    yield from _stack(redis_server.url, smollm2_dir, "smollm2-135m", "smollm2-1", 512)
+    """SmolLM2 as `decodelab play` serves it on a CPU: int8 weights."""
+    yield from _stack(redis_server.url, smollm2_dir, "smollm2-135m", "smollm2-1", 512, "--quantization", "int8")
 
 
 @pytest.fixture(scope="session")

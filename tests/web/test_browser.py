@@ -11,6 +11,7 @@ from playwright.sync_api import expect
 
 from tests.helpers import ROOT
 from tests.web.conftest import CHROMIUM
+from web.spec_curve import expected_tokens
 
 # the README's screenshot is refreshed on demand (DECODELAB_UPDATE_SCREENSHOT=1 make test), not by every run
 SCREENSHOT = (ROOT / "docs" / "screenshot.png" if os.environ.get("DECODELAB_UPDATE_SCREENSHOT")
@@ -47,8 +48,11 @@ def test_a_run_fills_all_four_columns_the_kv_panel_and_the_summary(smol_stack, p
     web, _, _ = smol_stack
     page.goto(web.url)
     expect(page.locator("#dl-service")).to_contain_text("1 replica", timeout=10_000)
-    expect(page.locator("#dl-service")).to_contain_text("(float32)")  # the precision the replica runs
-    page.locator("#prompt textarea").fill("Explain in three sentences why the sky is blue.")
+    expect(page.locator("#dl-service")).to_contain_text("(int8 weights)")  # the precision the replica runs
+    expect(page.locator("#proposer").get_by_text("draft", exact=True)).to_have_count(0)  # no draft model here
+    # the example where speculation shines: the model repeats its context, the n-gram proposer drafts it
+    page.locator("#examples").get_by_text("Speculation shines: repeat a text").click()
+    expect(page.locator("#prompt textarea")).to_have_value(re.compile("^Repeat the following text exactly"))
     set_number(page, "max-tokens", 40)
     page.locator("#run").click()
     expect(page.locator("#out-greedy .dl-col")).to_have_attribute("data-status", re.compile("queued|running|done"))
@@ -62,6 +66,15 @@ def test_a_run_fills_all_four_columns_the_kv_panel_and_the_summary(smol_stack, p
         assert finish in ("stop", "length")
     assert page.locator("#out-speculative .tk.m-target, #out-speculative .tk.m-accepted").count() > 0
     expect(page.locator("#out-speculative .spec")).to_contain_text("vs greedy")
+    # the replica's acceptance, exact, on the speed-up curve: high here, so several tokens per target forward
+    curve = page.locator("#out-speculative .spec-curve")
+    expect(curve.locator("svg circle.sc-dot")).to_be_visible()
+    alpha, k = float(curve.get_attribute("data-alpha")), int(curve.get_attribute("data-k"))
+    shown = page.locator("#out-speculative .spec > .mts .mt b").first.inner_text()
+    assert shown == f"{alpha * 100:.0f}%" and k == 4  # the acceptance metric the column shows, placed on the curve
+    assert alpha > 0.6, alpha
+    assert float(curve.get_attribute("data-expected")) == pytest.approx(expected_tokens(alpha, k), abs=2e-3)
+    assert float(curve.get_attribute("data-measured")) > 2.0
     assert page.locator("#out-beam .beam").count() == 3  # beams shown: 3 (the default)
     assert page.locator("#out-beam .txt .tk").count() > 0  # the best beam's text
 

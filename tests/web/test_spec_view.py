@@ -123,4 +123,6 @@ def test_compare_proposers_is_disabled_with_a_note_without_a_draft_model(tiny_st
     expect(page.locator("#dl-service")).to_contain_text("1 replica", timeout=10_000)
     expect(page.locator("#compare-proposers input[type=checkbox]")).to_be_disabled()
     expect(page.locator("#compare-proposers")).to_contain_text("none has one")
+    expect(page.locator("#proposer").get_by_text("draft", exact=True)).to_have_count(0)  # n-gram only
+    expect(page.locator("#proposer")).to_contain_text("no replica has one")
     assert page.errors == []
