@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
 from shared.keys import Keys
 from shared.monitor import KVSnapshot, StepRecord
-from shared.protocol import DoneEvent, DraftCheck, GenerationRequest
+from shared.protocol import DoneEvent, DraftCheck, GenerationRequest, SamplerStage
 from web.beam_tree import BeamTree, Node
 from web.branches import Branch, BranchTree
 from web.columns import Column, Output, Token
@@ -57,15 +57,16 @@ class SavedToken(_Saved):
     entropy: float | None = None
     masked: float | None = None
     draft: DraftCheck | None = None
+    stages: list[SamplerStage] | None = None  # the sampler pipeline, where the run asked for it
 
     @classmethod
     def of(cls, t: Token) -> SavedToken:
         return cls(text=t.text, token_id=t.token_id, logprob=t.logprob, top=list(t.top), mark=t.mark,
-                   entropy=t.entropy, masked=t.masked, draft=t.draft)
+                   entropy=t.entropy, masked=t.masked, draft=t.draft, stages=t.stages)
 
     def token(self) -> Token:
         return Token(self.text, self.token_id, self.logprob, [tuple(a) for a in self.top], self.mark, self.entropy,
-                     self.masked, self.draft)
+                     self.masked, self.draft, self.stages)
 
 
 class SavedOutput(_Saved):

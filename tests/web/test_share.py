@@ -23,6 +23,7 @@ from shared.protocol import (
     DraftCheck,
     GenerationRequest,
     Metrics,
+    SamplerStage,
     SamplingOptions,
     TokenEvent,
     TokenLogprob,
@@ -71,8 +72,12 @@ def _run() -> Run:
                                    accept_prob=1.0, accepted=True), None] if spec else None
         beam = [BeamEvent(kind="fork", step=0, node=1, parent=0, token_id=5, token="t0", logprob=-0.1, score=-0.1,
                           rank=0, blocks=[3])] if mode == "beam" else None
+        stages = [[SamplerStage(name=name, top=[(5 + i, f"t{i}", 0.6), (9, "x", 0.1)], kept=kept, removed=0.3,
+                                other=0.3, chosen_rank=0, chosen_prob=0.6)
+                   for name, kept in (("raw", 49), ("top_k", 2))]
+                  for i in range(3)] if mode == "sample" else None  # the sampler pipeline, as streamed
         col.feed(TokenEvent(request_id=col.request_id, seq=0, text_delta="t0t1t2", token_ids=[5, 6, 7],
-                            logprobs=lps, spec=spec, drafts=drafts, beam=beam))
+                            logprobs=lps, spec=spec, drafts=drafts, beam=beam, stages=stages))
         col.feed(DoneEvent(request_id=col.request_id, seq=1, finish_reason="length", text="t0t1t2",
                            outputs=[Completion(index=0, text="t0t1t2", token_ids=[5, 6, 7], finish_reason="length",
                                                cumulative_logprob=-0.2, logprobs=lps, spec=spec, drafts=drafts)],
@@ -97,6 +102,7 @@ def test_a_saved_run_comes_back_equal_from_its_file_and_its_redis_value():
         lp = again.columns["speculative"].outputs[0].tokens[1]
         assert lp.logprob == -0.2 / 3 and lp.draft.accepted and lp.top[1] == (9, "x", -2.5)
         assert again.trees["greedy"].current.label == "@1 ‘y’" and len(again.columns["beam"].beam_tree) == 1
+        assert again.columns["sample"].outputs[0].tokens[2].stages[1].kept == 2  # the pipeline travels too
 
 
 @pytest.mark.parametrize("text, why", [
