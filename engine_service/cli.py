@@ -3,7 +3,20 @@ import argparse
 import json
 import sys
 
-from engine_service.bench import gpu, modes, pd, playground, quality, route, serve, soak, structured, throughput
+from engine_service.bench import (
+    aggregate,
+    gpu,
+    llamacpp_build,
+    modes,
+    pd,
+    playground,
+    quality,
+    route,
+    serve,
+    soak,
+    structured,
+    throughput,
+)
 from engine_service.engine.flags import add_engine_args, engine_config_from_args
 from engine_service.server import api_cmd, engine_cmd, play
 from web import cli as web_cli
@@ -118,7 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
     bench = sub.add_parser("bench", help="benchmarks (JSON + PNG plots under benchmarks/results)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    for module in (throughput, modes, quality, playground, serve, route, pd, soak, gpu, structured):
+    for module in (throughput, modes, quality, playground, serve, route, pd, soak, gpu, structured, aggregate,
+                   llamacpp_build):
         module.add_parser(bench_sub, add_engine_args)
     for module in (engine_cmd, api_cmd, play, web_cli):  # the service: a replica, the API front, the stack, the UI
         module.add_parser(sub, add_engine_args)
