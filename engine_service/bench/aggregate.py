@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import sys
 import threading
 import time
 from collections import Counter
@@ -169,12 +170,17 @@ def llama_server(argv: list[str], url: str, log: Path):
         stack.stop()
 
 
-def system_info(log: Path) -> str | None:
-    """llama.cpp's own line of the CPU features it was built with, from its log."""
-    for line in log.read_text(errors="replace").splitlines():
-        if "system_info" in line:
-            return line.split("system_info:", 1)[-1].strip()
-    return None
+def system_info(lib_dir: Path) -> str | None:
+    """llama.cpp's own line of the CPU features its build runs with (llama_print_system_info of the libllama.so
+    beside llama-server; llama-server logs it only at trace verbosity). In a child: a build for another ISA may
+    SIGILL."""
+    import subprocess
+
+    code = ("import ctypes, sys; f = ctypes.CDLL(sys.argv[1]).llama_print_system_info; f.restype = ctypes.c_char_p; "
+            "print(f().decode())")
+    proc = subprocess.run([sys.executable, "-c", code, str(lib_dir / "libllama.so")], capture_output=True, text=True,
+                          timeout=60)
+    return (proc.stdout.strip() or None) if proc.returncode == 0 else None
 
 
 @contextmanager
@@ -223,7 +229,7 @@ def run(args) -> int:
         log, url = out_dir / "aggregate_llama_server.log", f"http://127.0.0.1:{port}"
         with llama_server(argv, url, log):
             res["llama_server"] = asyncio.run(measure(url, "gguf", args, "llama-server"))
-        res["llama_server"].update(argv=argv, system_info=system_info(log),
+        res["llama_server"].update(argv=argv, system_info=system_info(binary.parent),
                                    build=build.describe() if not args.llama_server else {"binary": str(binary)})
     if "ours" not in skip:
         with our_server(args) as url:

@@ -48,12 +48,8 @@ def test_llama_server_runs_n_slots_with_continuous_batching_and_our_threads(tmp_
     assert opts["-m"] == str(tmp_path / "m.gguf") and "--cont-batching" in argv and argv[-1] == "8123"
 
 
-def test_the_system_info_line_is_read_from_the_servers_log(tmp_path):
-    log = tmp_path / "server.log"
-    log.write_text("main: loading model\nsystem_info: n_threads = 2 | CPU : SSE3 = 1 | AVX2 = 1 | FMA = 1 |\nready\n")
-    assert aggregate.system_info(log) == "n_threads = 2 | CPU : SSE3 = 1 | AVX2 = 1 | FMA = 1 |"
-    log.write_text("nothing\n")
-    assert aggregate.system_info(log) is None
+def test_the_system_info_of_a_directory_without_libllama_is_none(tmp_path):
+    assert aggregate.system_info(tmp_path) is None
 
 
 def test_the_server_is_stopped_when_the_benchmark_fails(tmp_path):
@@ -102,5 +98,6 @@ def test_llama_server_streams_every_token_of_a_burst_through_the_openai_api(tmp_
     assert [t.finish for t in traces] == ["length", "length"] and [t.tokens for t in traces] == [6, 6]  # ignore_eos
     summary = burst_summary(traces)
     assert summary["tokens"] == 12 and 0 < summary["wall_s"] < 60
-    assert "AVX2 = 1" in (aggregate.system_info(tmp_path / "log") or "")
+    info = aggregate.system_info(BUILT.lib_dir) or ""
+    assert ("AVX2 = 1" in info) == ("-DGGML_AVX2=ON" in BUILT.flags) and "AMX_INT8 = 1" not in info
     json.dumps(summary)  # goes into aggregate.json as is
