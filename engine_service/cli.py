@@ -4,7 +4,9 @@ import json
 import sys
 
 from engine_service.bench import (
+    aggregate,
     gpu,
+    llamacpp_build,
     modes,
     pd,
     pipeline,
@@ -130,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
     bench = sub.add_parser("bench", help="benchmarks (JSON + PNG plots under benchmarks/results)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    for module in (throughput, modes, quality, playground, pipeline, serve, route, pd, soak, gpu, structured):
+    for module in (throughput, modes, quality, playground, pipeline, serve, route, pd, soak, gpu, structured,
+                   aggregate, llamacpp_build):
         module.add_parser(bench_sub, add_engine_args)
     for module in (engine_cmd, api_cmd, play, web_cli):  # the service: a replica, the API front, the stack, the UI
         module.add_parser(sub, add_engine_args)

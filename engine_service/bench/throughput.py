@@ -178,7 +178,8 @@ def run(args) -> int:
     anchor = res["llamacpp_single_stream"]
     if "tok_per_s" in anchor:
         res["single_stream"]["vs_llamacpp"] = res["single_stream"]["tok_per_s"] / anchor["tok_per_s"]
-        print(f"llama.cpp single stream: {anchor['tok_per_s']:.1f} tok/s, ours / llama.cpp "
+        build = anchor["build"].get("cmake_flags") or [anchor["build"]["lib"]]  # which llama.cpp made the figure
+        print(f"llama.cpp single stream: {anchor['tok_per_s']:.1f} tok/s ({' '.join(build)}), ours / llama.cpp "
               f"{res['single_stream']['vs_llamacpp']:.2f}x (goal >= 0.5x)", flush=True)
     else:
         print(f"llama.cpp single stream: skipped ({anchor['skipped']})", flush=True)

@@ -71,8 +71,10 @@ class Stack:
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.redis: RedisServer | None = None
 
-    def spawn(self, name: str, argv: list[str], env: dict) -> subprocess.Popen:
-        proc = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=die_with_parent)
+    def spawn(self, name: str, argv: list[str], env: dict, stdout=None) -> subprocess.Popen:
+        """`stdout` (a file; stderr goes with it) or, by default, this process's own output."""
+        proc = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=die_with_parent, stdout=stdout,
+                                stderr=None if stdout is None else subprocess.STDOUT)
         self.procs.append((name, proc))
         return proc
 

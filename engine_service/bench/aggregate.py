@@ -1,0 +1,271 @@
+"""`decodelab bench aggregate`: our service against llama.cpp's own server, both through the OpenAI API.
+
+The anchor of issue 25: `llama-server -np 8` (8 parallel slots, continuous batching), built from the llama.cpp that
+llama-cpp-python vendors with this CPU's GGML flags (bench/llamacpp_build.py), on the same GGUF file our engine
+loads, with the same threads. Ours: a private Redis and one `decodelab engine` replica (int8 unless told; its own
+OpenAI API, or `--via front` through `decodelab api`). One server at a time, so neither steals the other's cores.
+
+Per server, with the `openai` client: a warm-up; `--runs` single streams (TPOT = (last text chunk - first) /
+(tokens - 1), the median over runs); then `--runs` bursts of `--streams` concurrent streaming completions, greedy
+(temperature 0), `ignore_eos`, `--max-tokens` each, the same prompts for both servers (fresh words every run: no
+prompt cache hit between runs). A burst's aggregate tok/s = generated tokens / wall time (first request sent to last
+stream done); the JSON has every run, the best and the median, and ours / llama-server's ratios. Tokens are the
+server's `usage.completion_tokens`, else the count of text chunks.
+
+Both servers are stopped at the end and on any error (each runs in its own process group; `Stack.stop`).
+Writes benchmarks/results/aggregate.json and aggregate.png.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import sys
+import threading
+import time
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine_service.bench import llamacpp, llamacpp_build
+from engine_service.bench.common import cpu_info, median, pyplot, write_with_plot
+
+WORDS = ("river", "lantern", "copper", "meadow", "quiet", "signal", "harbor", "violet", "engine", "window", "paper",
+         "silver", "garden", "thunder", "marble", "orbit", "candle", "forest", "ember", "glacier", "pocket", "canyon")
+GOALS = {"aggregate": 2.0, "single_stream": 1.2}  # issue 25: ours / llama.cpp
+
+
+def add_parser(bench_sub, add_engine_args) -> None:
+    p = bench_sub.add_parser("aggregate", help="ours vs llama.cpp's llama-server -np N, N streams through the "
+                                               "OpenAI API (and single-stream TPOT)")
+    add_engine_args(p)
+    p.add_argument("--streams", type=int, default=8, help="concurrent streams (and llama-server's -np slots)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--prompt-words", type=int, default=24, help="words of each prompt (~30 tokens)")
+    p.add_argument("--runs", type=int, default=3, help="bursts (and single streams) per server: best and median")
+    p.add_argument("--ctx-per-slot", type=int, default=512, help="llama-server's -c is this times --streams")
+    p.add_argument("--via", default="replica", choices=["replica", "front"],
+                   help="ours through the replica's own API (one process, as llama-server) or `decodelab api`")
+    p.add_argument("--llama-server", default=None, help="a llama-server binary (default: build this CPU's, cached)")
+    p.add_argument("--skip", default="", help="comma-separated: llama, ours (e.g. to time one side)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="benchmarks/results")
+    p.set_defaults(func=run)
+
+
+# ---- the maths, on what the clients saw
+@dataclass
+class StreamTrace:
+    """One streaming completion: when it was sent, when each text chunk came, and how it ended."""
+
+    sent: float
+    chunks: list[float] = field(default_factory=list)
+    tokens: int = 0
+    finish: str | None = None
+    done: float = 0.0
+
+
+def tpot_s(trace: StreamTrace) -> float:
+    """Time per output token after the first, as our RequestOutput.metrics.tpot defines it."""
+    assert trace.tokens > 1 and trace.chunks, "tpot: needs two tokens or more"
+    return (trace.chunks[-1] - trace.chunks[0]) / (trace.tokens - 1)
+
+
+def burst_summary(traces: list[StreamTrace]) -> dict:
+    """One burst: generated tokens over the wall time from the first send to the last stream's end."""
+    start, end = min(t.sent for t in traces), max(t.done for t in traces)
+    tokens = sum(t.tokens for t in traces)
+    return {"streams": len(traces), "tokens": tokens, "wall_s": end - start, "tok_per_s": tokens / (end - start),
+            "finish": dict(Counter(t.finish for t in traces))}
+
+
+def best_and_median(runs: list[dict], key: str = "tok_per_s") -> dict:
+    values = [r[key] for r in runs]
+    return {"best": max(values), "median": median(values), "runs": runs}
+
+
+def ratios(ours: dict, theirs: dict) -> dict:
+    """ours / llama-server's, for the aggregate (best and median of the bursts) and the single stream."""
+    out = {"aggregate_best": ours["aggregate"]["best"] / theirs["aggregate"]["best"],
+           "aggregate_median": ours["aggregate"]["median"] / theirs["aggregate"]["median"],
+           "single_stream": ours["single_stream"]["tok_per_s"] / theirs["single_stream"]["tok_per_s"]}
+    out["goals_met"] = {"aggregate": out["aggregate_best"] >= GOALS["aggregate"],
+                        "single_stream": out["single_stream"] >= GOALS["single_stream"]}
+    return out
+
+
+# ---- the clients
+def prompts_for(seed: int, n: int, words: int) -> list[str]:
+    """`n` prompts of `words` words, the same for both servers at the same seed."""
+    rng = random.Random(seed)
+    return [f"Story {seed}-{i}: " + " ".join(rng.choice(WORDS) for _ in range(words)) for i in range(n)]
+
+
+async def stream_one(client, model: str, prompt: str, max_tokens: int) -> StreamTrace:
+    trace = StreamTrace(time.perf_counter())
+    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                             stream=True, stream_options={"include_usage": True},
+                                             extra_body={"ignore_eos": True})
+    usage = None
+    async for chunk in stream:
+        now = time.perf_counter()
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            if choice.text:
+                trace.chunks.append(now)
+            trace.finish = choice.finish_reason or trace.finish
+    trace.done = time.perf_counter()
+    trace.tokens = usage.completion_tokens if usage is not None else len(trace.chunks)
+    return trace
+
+
+async def measure(base_url: str, model: str, args, label: str) -> dict:
+    """Warm-up, single streams, then bursts of `args.streams`; prints as it goes."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", timeout=900, max_retries=0)
+    try:
+        await asyncio.gather(*(stream_one(client, model, p, 4) for p in prompts_for(-1, 2, 8)))  # warm-up
+        singles = []
+        for r in range(args.runs):
+            trace = await stream_one(client, model, prompts_for(1000 + args.seed + r, 1, args.prompt_words)[0],
+                                     args.max_tokens)
+            singles.append({"tpot_ms": tpot_s(trace) * 1e3, "tokens": trace.tokens, "finish": trace.finish})
+        tpot = median([s["tpot_ms"] for s in singles])
+        print(f"{label}: single stream TPOT {tpot:.2f} ms ({1e3 / tpot:.1f} tok/s)", flush=True)
+        bursts = []
+        for r in range(args.runs):
+            prompts = prompts_for(args.seed + r, args.streams, args.prompt_words)
+            bursts.append(burst_summary(list(await asyncio.gather(
+                *(stream_one(client, model, p, args.max_tokens) for p in prompts)))))
+            print(f"{label}: {args.streams} streams, run {r + 1}: {bursts[-1]['tok_per_s']:.1f} tok/s "
+                  f"({bursts[-1]['tokens']} tokens in {bursts[-1]['wall_s']:.2f} s, finish {bursts[-1]['finish']})",
+                  flush=True)
+    finally:
+        await client.close()
+    return {"single_stream": {"tpot_ms": tpot, "tok_per_s": 1e3 / tpot, "runs": singles},
+            "aggregate": best_and_median(bursts)}
+
+
+# ---- the servers
+def llama_server_argv(binary: Path, gguf: Path, streams: int, ctx_per_slot: int, threads: int, port: int) -> list[str]:
+    return [str(binary), "-m", str(gguf), "-np", str(streams), "-c", str(streams * ctx_per_slot), "-t", str(threads),
+            "-tb", str(threads), "--cont-batching", "--host", "127.0.0.1", "--port", str(port)]
+
+
+@contextmanager
+def llama_server(argv: list[str], url: str, log: Path):
+    """llama-server in its own process group, its output in `log`; ready at `url`/health; stopped (TERM, then
+    KILL) on the way out, also on an error. Yields its process."""
+    from engine_service.server.play import Stack, wait_ready
+
+    stack = Stack()
+    with log.open("w") as out:
+        proc = stack.spawn("llama-server", argv, dict(os.environ), stdout=out)
+    try:
+        wait_ready(f"{url}/health", stack, 300, threading.Event())
+        yield proc
+    finally:
+        stack.stop()
+
+
+def system_info(lib_dir: Path) -> str | None:
+    """llama.cpp's own line of the CPU features its build runs with (llama_print_system_info of the libllama.so
+    beside llama-server; llama-server logs it only at trace verbosity). In a child: a build for another ISA may
+    SIGILL."""
+    import subprocess
+
+    code = ("import ctypes, sys; f = ctypes.CDLL(sys.argv[1]).llama_print_system_info; f.restype = ctypes.c_char_p; "
+            "print(f().decode())")
+    proc = subprocess.run([sys.executable, "-c", code, str(lib_dir / "libllama.so")], capture_output=True, text=True,
+                          timeout=60)
+    return (proc.stdout.strip() or None) if proc.returncode == 0 else None
+
+
+@contextmanager
+def our_server(args):
+    """A private Redis and one replica (its API, or the front's): the base URL."""
+    from engine_service.server.redis_server import RedisServer
+
+    redis = RedisServer().start()
+    try:
+        if args.via == "front":
+            from engine_service.bench.route import cluster
+
+            with cluster(args, 1, False, redis.url) as c:
+                yield c.api_url
+        else:
+            from engine_service.bench.serve import start_replica
+
+            stack, url = start_replica(args, redis.url, f"bench-aggregate-{time.time_ns()}")
+            try:
+                yield url
+            finally:
+                stack.stop()
+    finally:
+        redis.close()
+
+
+def run(args) -> int:
+    gguf = llamacpp.gguf_file(args.model)
+    if isinstance(gguf, str):
+        raise ValueError(gguf)
+    args.threads = args.threads or len(os.sched_getaffinity(0))
+    args.quantization = args.quantization or "int8"
+    skip = set(filter(None, args.skip.split(",")))
+    build = llamacpp_build.for_this_cpu()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    res = {"benchmark": "aggregate", "model": args.model, "gguf": str(gguf), "threads": args.threads,
+           "streams": args.streams, "max_tokens": args.max_tokens, "prompt_words": args.prompt_words,
+           "runs": args.runs, "cpu": cpu_info()}
+    if "llama" not in skip:
+        binary = Path(args.llama_server) if args.llama_server else llamacpp_build.build_server(build)
+        from engine_service.server.redis_server import free_port
+
+        port = free_port()
+        argv = llama_server_argv(binary, gguf, args.streams, args.ctx_per_slot, args.threads, port)
+        log, url = out_dir / "aggregate_llama_server.log", f"http://127.0.0.1:{port}"
+        with llama_server(argv, url, log):
+            res["llama_server"] = asyncio.run(measure(url, "gguf", args, "llama-server"))
+        res["llama_server"].update(argv=argv, system_info=system_info(binary.parent),
+                                   build=build.describe() if not args.llama_server else {"binary": str(binary)})
+    if "ours" not in skip:
+        with our_server(args) as url:
+            res["ours"] = asyncio.run(measure(url, args.model, args, "ours"))
+        res["ours"].update(quantization=args.quantization, via=args.via)
+    if "llama_server" in res and "ours" in res:
+        res["ratios"] = ratios(res["ours"], res["llama_server"])
+        r = res["ratios"]
+        print(f"ours / llama-server: aggregate {r['aggregate_best']:.2f}x (best; median {r['aggregate_median']:.2f}x, "
+              f"goal >= {GOALS['aggregate']}x), single stream {r['single_stream']:.2f}x "
+              f"(goal >= {GOALS['single_stream']}x)", flush=True)
+    write_with_plot("aggregate", res, out_dir, plot)
+    return 0
+
+
+def plot(res: dict, path) -> None:
+    plt = pyplot()
+
+    sides = [(name, res[key]) for name, key in (("llama-server", "llama_server"), ("ours", "ours")) if key in res]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    names = [n for n, _ in sides]
+    axes[0].bar(names, [s["aggregate"]["best"] for _, s in sides], color=["tab:gray", "tab:blue"][:len(sides)])
+    axes[0].scatter([n for n, s in sides for _ in s["aggregate"]["runs"]],
+                    [r["tok_per_s"] for _, s in sides for r in s["aggregate"]["runs"]], color="k", s=12, zorder=3,
+                    label="each run")
+    axes[0].set(title=f"{res['streams']} concurrent streams (best of {res['runs']})", ylabel="generated tok/s")
+    axes[0].legend(fontsize=8)
+    axes[1].bar(names, [s["single_stream"]["tok_per_s"] for _, s in sides], color=["tab:gray", "tab:blue"][:len(sides)])
+    axes[1].set(title="single stream (1 / median TPOT)", ylabel="tok/s")
+    flags = " ".join(f.removeprefix("-DGGML_") for f in res.get("llama_server", {}).get("build", {})
+                     .get("cmake_flags", []))
+    ratio = res.get("ratios")
+    fig.suptitle(f"{Path(res['gguf']).name}, {res['threads']} threads, {res['max_tokens']} tokens/stream; "
+                 f"{res['cpu']['label']}\nllama.cpp flags: {flags or 'n/a'}"
+                 + (f"; ours/llama-server {ratio['aggregate_best']:.2f}x aggregate, {ratio['single_stream']:.2f}x "
+                    "single" if ratio else ""), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

