@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from kernels import cpu_logits
+
 STAGES = ("raw", "grammar", "penalties", "temperature", "top_k", "top_p", "min_p")
 
 
@@ -29,46 +31,104 @@ class StageRecord:
         return asdict(self)
 
 
+# A traced row after a stage: its logits [V] (dense), or only its kept tokens (ids [K], logits [K]) where the stage
+# itself produced them that way (the fused top-k / top-p step): no [V] copy, no pass over the vocabulary.
+Snap = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
 @dataclass
 class Tracer:
-    """Per stage, the traced rows' logits after it and which of them it acted on."""
+    """Per stage, the traced rows it acted on, each with its logits after it."""
 
     rows: list[int]  # batch rows that asked (SamplingBatch.stages > 0)
     top_n: list[int]  # per traced row: how many tokens each stage reports
-    snaps: list[tuple[str, set[int], torch.Tensor]] = field(default_factory=list)  # (stage, acted rows, [R, V])
+    snaps: list[tuple[str, dict[int, Snap]]] = field(default_factory=list)  # (stage, batch row -> its snap)
 
     def record(self, name: str, logits: torch.Tensor, acted: list[int] | None = None) -> None:
-        """Copy the traced rows of `logits` (the batch's) after stage `name`; `acted`: the batch rows it changed
-        (None: all). A stage that acted on no traced row is not kept."""
+        """Copy the traced rows of `logits` (the batch's) that stage `name` acted on (`acted`: the batch rows it
+        changed, None: all); raw keeps every traced row. A stage that acted on no traced row is not kept."""
         assert name in STAGES, name
-        touched = set(self.rows) if acted is None else set(acted) & set(self.rows)
-        if touched or name == "raw":
-            self.snaps.append((name, touched, logits[self.rows].float()))  # list indexing copies
+        touched = self.rows if acted is None or name == "raw" else [r for r in self.rows if r in set(acted)]
+        if touched:
+            self.snaps.append((name, {r: logits[r].clone() for r in touched}))
+
+    def record_kept(self, name: str, rows: list[int], ids: torch.Tensor, logits: torch.Tensor) -> None:
+        """As record, for a stage that gives its rows' kept tokens: batch rows `rows`, ids / logits [len(rows), K]
+        (entries of -inf are not kept)."""
+        assert name in STAGES, name
+        kept = {r: (ids[i], logits[i]) for i, r in enumerate(rows) if r in set(self.rows)}
+        if kept:
+            self.snaps.append((name, {r: (i[v.isfinite()], v[v.isfinite()]) for r, (i, v) in kept.items()}))
 
     def summarize(self, tokens: torch.Tensor) -> list[list[StageRecord] | None]:
         """Per batch row of `tokens` (the drawn ids): its stages, raw first; None for a row that did not ask."""
         out: list[list[StageRecord] | None] = [None] * tokens.shape[0]
-        chosen = tokens[self.rows].tolist()
+        chosen = tokens.tolist()
         for i, row in enumerate(self.rows):
             stages: list[StageRecord] = []
-            prev: torch.Tensor | None = None
-            for name, touched, snap in self.snaps:
-                if name != "raw" and row not in touched:
-                    continue
-                probs = snap[i].softmax(dim=0)
-                stages.append(_stage(name, snap[i], probs, prev, chosen[i], self.top_n[i]))
-                prev = probs
+            prev: _Dist | None = None
+            for name, by_row in self.snaps:
+                if row in by_row:
+                    record, prev = _stage(name, by_row[row], prev, chosen[row], self.top_n[i])
+                    stages.append(record)
             out[row] = stages
         return out
 
 
-def _stage(name: str, logits: torch.Tensor, probs: torch.Tensor, prev: torch.Tensor | None, token: int,
-           n: int) -> StageRecord:
-    finite = logits.isfinite()
-    kept = int(finite.sum())
-    values, ids = probs.topk(min(n, kept))
+@dataclass
+class _Dist:
+    """A stage's distribution as the next one needs it: probability exp(logit - lse) on its kept tokens."""
+    ids: torch.Tensor | None  # the kept tokens; None: logits is the whole vocabulary
+    logits: torch.Tensor
+    lse: torch.Tensor
+    kept: int
+
+    def mass(self, ids: torch.Tensor) -> float:
+        """The probability of `ids` (some may not be kept: probability 0)."""
+        if self.ids is None:
+            return float((self.logits[ids] - self.lse).exp_().sum())
+        return float((self.logits[torch.isin(self.ids, ids)] - self.lse).exp_().sum())
+
+
+def _stage(name: str, snap: Snap, prev: _Dist | None, token: int, n: int) -> tuple[StageRecord, _Dist]:
+    # a dense stage in C where it has no -inf (cpu_logits: log-sum-exp and top-n in two passes), a cut one on its
+    # kept tokens only (~50 of 49k); raw and temperature remove no token, so they count none
+    if isinstance(snap, tuple):
+        ids, sub = snap
+    else:
+        vocab = snap.shape[0]
+        kept = (vocab if prev is None else prev.kept) if name in ("raw", "temperature") else None
+        if kept is None:
+            kept = int(snap.isfinite().sum())
+        if kept == vocab:
+            return _full_stage(name, snap, prev, token, n)
+        ids = snap.isfinite().nonzero().flatten()
+        sub = snap[ids]
+    lse = sub.logsumexp(0)
+    kept = ids.numel()
+    values, at = (sub - lse).exp_().topk(min(n, kept))
+    hit = (ids == token).nonzero().flatten()
+    chosen = sub[hit[0]] if hit.numel() else torch.tensor(float("-inf"))
+    removed = 1.0 - prev.mass(ids) if prev is not None else 0.0
+    return _record(name, ids[at], values, kept, removed, int((sub > chosen).sum()), chosen - lse), \
+        _Dist(ids, sub, lse, kept)
+
+
+def _full_stage(name: str, logits: torch.Tensor, prev: _Dist | None, token: int,
+                n: int) -> tuple[StageRecord, _Dist]:
+    vocab = logits.shape[0]
+    if cpu_logits.applies(logits[None]):
+        lse_, _, top_ids, top_lp = cpu_logits.logit_stats(logits[None], min(n, vocab))
+        lse, ids, values = lse_[0], top_ids[0], top_lp[0].exp()
+    else:
+        lse = logits.logsumexp(0)
+        values, ids = (logits - lse).exp_().topk(min(n, vocab))
+    rank = int((logits > logits[token]).sum())
+    return _record(name, ids, values, vocab, 0.0, rank, logits[token] - lse), _Dist(None, logits, lse, vocab)
+
+
+def _record(name: str, ids: torch.Tensor, values: torch.Tensor, kept: int, removed: float, rank: int,
+            chosen_lp: torch.Tensor) -> StageRecord:
     top = [(t, p) for t, p in zip(ids.tolist(), values.tolist()) if p > 0]
-    removed = float(prev[~finite].sum()) if prev is not None else 0.0
-    chosen_rank = int((logits > logits[token]).sum())
-    return StageRecord(name, top, kept, removed, max(0.0, 1.0 - sum(p for _, p in top)), chosen_rank,
-                       float(probs[token]))
+    return StageRecord(name, top, kept, max(0.0, removed), max(0.0, 1.0 - sum(p for _, p in top)), rank,
+                       float(chosen_lp.exp()))

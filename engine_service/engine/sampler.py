@@ -148,7 +148,8 @@ def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None:
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                      after_top_k: list | None = None) -> torch.Tensor | None:
     """apply_top_k then apply_top_p (a row with top_p >= 1 skips it), for rows that all have a top-k
     (top_k [S] > 0, on the CPU): the top-p cut is found among each row's k largest logits, sorted by topk,
     instead of sorting the vocabulary (49k logits: ~4 ms a row on one core of the 2-core target, topk ~0.1 ms).
@@ -161,6 +162,8 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
         return None
     beyond_k = torch.arange(values.shape[1], device=logits.device) >= k[:, None]
     values = values.masked_fill(beyond_k, float("-inf"))
+    if after_top_k is not None:  # the sampler pipeline's top-k stage (pipeline.Tracer), from the same tensors
+        after_top_k.append((ids, values))
     # HF's top-p on the ascending order (the tokens top-k removed sit first with probability 0)
     cum = values.flip(1).softmax(dim=1).cumsum(dim=1)
     drop = (cum <= (1 - top_p.to(logits.device))[:, None]) & (top_p < 1).to(logits.device)[:, None]
@@ -196,7 +199,7 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 def process_logits(logits: torch.Tensor, b: SamplingBatch, tracer: Tracer | None = None) -> torch.Tensor:
     """Everything HF's processors do before the final softmax (greedy rows keep temperature 1). May return `logits`
     itself when nothing applies (no temperature but 1, no top-k, top-p or min-p): callers must not write to it.
-    `tracer` (pipeline.py) copies its rows after each stage; its rows take top-k and top-p as two steps."""
+    `tracer` (pipeline.py) copies its rows after each stage (the fused top-k / top-p step hands it both)."""
     # rows and sizes from the batch as built (on the CPU): no device syncs; each processor runs on the rows
     # that ask for it only (a greedy row in the batch costs no top-k / top-p work)
     top_k, top_p, vocab = b.top_k, b.top_p, logits.shape[1]
@@ -222,10 +225,15 @@ def process_logits(logits: torch.Tensor, b: SamplingBatch, tracer: Tracer | None
         logits = logits.clone()  # _on_rows writes its rows in place: never into the caller's tensor
     fused = []  # rows whose top-k and top-p run as one step
     if p_rows and set(p_rows) <= set(k_rows) and logits.device.type == "cpu":  # sorts cost on a CPU, syncs do not
-        fused = [r for r in k_rows if tracer is None or r not in tracer.rows]
-        both = apply_top_k_top_p(logits[fused], top_k[fused], top_p[fused]) if fused else None
-        fused = fused if both is not None else []
-        if fused:
+        after_k = [] if tracer is not None else None  # traced rows' top-k stage, a by-product of the fused step
+        both = apply_top_k_top_p(logits[k_rows], top_k[k_rows], top_p[k_rows], after_k)
+        if both is not None:
+            fused = k_rows
+            if tracer is not None:  # both stages as kept tokens only: the k ids, before and after the top-p cut
+                ids, values = after_k[0]
+                tracer.record_kept("top_k", k_rows, ids, values)
+                cut = [i for i, r in enumerate(k_rows) if r in set(p_rows)]
+                tracer.record_kept("top_p", [k_rows[i] for i in cut], ids[cut], both.gather(1, ids)[cut])
             logits = _on_rows(logits, fused, lambda _: both)
     k_rows, p_rows = [r for r in k_rows if r not in fused], [r for r in p_rows if r not in fused]
     logits = _on_rows(logits, k_rows, lambda x: apply_top_k(x, top_k[k_rows]))
