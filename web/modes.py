@@ -46,7 +46,7 @@ class Settings:
     compare_proposers: bool = False  # also send the speculative request with the other proposer (Run.rival)
     constraint_type: str = "none"  # one of CONSTRAINTS
     constraint: str = ""  # the schema as JSON, the regex, or the choices one per line
-    pipeline: bool = False  # greedy and sampling ask for each token's sampler pipeline (params.sampler_stages)
+    pipeline: bool = False  # sampling asks for each token's sampler pipeline (params.sampler_stages)
 
 
 class InputError(ValueError):
@@ -107,8 +107,8 @@ def _options(mode: str, s: Settings) -> dict:
     common = dict(max_tokens=_int("max tokens", s.max_tokens), logprobs=LOGPROBS, mode=mode)
     if (constraint := structured_outputs(s)) is not None:  # none: the request stays as it was without the control
         common["structured_outputs"] = constraint
-    if s.pipeline and mode in ("greedy", "sample"):  # the engine traces these two modes' sampler only
-        common["sampler_stages"] = PIPELINE_TOKENS
+    if s.pipeline and mode == "sample":  # greedy's pipeline is its raw stage alone (the hover card has it): not
+        common["sampler_stages"] = PIPELINE_TOKENS  # worth its page weight (bench playground --pipeline)
     if mode == "greedy":
         return dict(common, temperature=0.0)
     if mode == "beam":
