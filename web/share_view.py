@@ -42,7 +42,10 @@ def settings_values(s: Settings, share_prompt: bool, live: dict[str, dict]) -> l
     return [s.prompt, s.chat, s.system_prompt, s.max_tokens, s.model or gr.skip(), share_prompt, s.beam_width,
             s.length_penalty,
             s.beams_shown, s.temperature, s.top_k, s.top_p, s.min_p, s.seed, s.n, proposer, s.spec_k,
-            s.constraint_type, s.constraint, s.compare_proposers and has_draft]
+            s.constraint_type, s.constraint, s.compare_proposers and has_draft, s.pipeline]
+
+
+CONTROLS = 21  # app.py's `inputs`: what settings_values fills
 
 
 def cleared() -> tuple:
@@ -113,7 +116,7 @@ class ShareHandlers:
         away (step two is Run itself)."""
         run = self.h.runs.get(self._session(request))
         if run is None or not run.shared:
-            return *[gr.skip()] * 20, gr.skip(), gr.skip()
+            return *[gr.skip()] * CONTROLS, gr.skip(), gr.skip()
         _, live = await self.h.service.health()
         return *settings_values(run.settings, run.share_prompt, live), "", gr.Button(visible=False)
 

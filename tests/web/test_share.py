@@ -252,3 +252,9 @@ def test_a_shared_run_reopens_token_for_token_after_a_restart_and_as_a_file(shar
     assert greedy_ids == [int(i) for i in re.findall(r'data-id="(\d+)"', before["greedy"]["text"])]
     assert not any(math.isnan(float(p)) for p in trace(page)["greedy"].split(","))
     assert page.errors == []
+
+
+def test_a_rerun_fills_every_control_of_the_page():
+    from web.share_view import CONTROLS, settings_values
+    assert len(settings_values(Settings(prompt="x", pipeline=True), True, {})) == CONTROLS
+    assert settings_values(Settings(prompt="x", pipeline=True), True, {})[-1] is True  # the pipeline box too
