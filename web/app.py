@@ -150,7 +150,7 @@ def build_app(service: Service) -> gr.Blocks:
                     seed = gr.Number(DEFAULTS.seed, precision=0, label="Seed (empty: random)", elem_id="seed")
                     n = gr.Slider(1, 4, value=DEFAULTS.n, step=1, label="n samples", elem_id="n")
                 pipeline = gr.Checkbox(DEFAULTS.pipeline, label="Sampler pipeline", elem_id="sampler-pipeline",
-                                       info="click a greedy or sampled token: its distribution stage by stage, "
+                                       info="click a sampled token: its distribution stage by stage, "
                                             "and a what-if")
             with gr.Column(elem_id="col-speculative", min_width=220):
                 _mode_header("speculative")
