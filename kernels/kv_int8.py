@@ -9,8 +9,9 @@ cache row sits at the same flat index as the row itself (`slot * Hkv + head`).
 Why per token. An earlier scheme kept one scale per (block, head), grown as decode filled the block: a K
 head's few outlier channels and the loudest token of the block then set the step for every value, and
 perplexity on the Apache-2.0 text rose 1.1% over the fp32 cache (teacher-forced top-1 agreement 96.6%).
-Per token (measured with SmolLM2-135M, fake-quantized K/V against fp32 on the three texts of
-`decodelab bench quality`): -0.13% / +0.07% / ... perplexity, top-1 98.5-98.9%. A row is quantized once, when
+Per token (an HF simulation with SmolLM2-135M, K/V fake-quantized against fp32 on the licence / code / prose texts
+of `decodelab bench quality`): -0.13% / +0.07% / +0.07% perplexity, top-1 98.1-98.9% (through the engine: -0.14% /
++0.02% / +0.05%, docs/benchmarks.md). A row is quantized once, when
 it is written, with its own max: no block ever re-quantizes, every value is within half a step of what was
 written, and a store is one pass with no host sync. Cost: 4 bytes of scale per Hkv row of D values (D = 64:
 6% more than the values themselves; 3.76x the tokens of an fp32 pool instead of 3.98x).

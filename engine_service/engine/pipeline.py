@@ -48,7 +48,8 @@ class Tracer:
         """Copy the traced rows of `logits` (the batch's) that stage `name` acted on (`acted`: the batch rows it
         changed, None: all); raw keeps every traced row. A stage that acted on no traced row is not kept."""
         assert name in STAGES, name
-        touched = self.rows if acted is None or name == "raw" else [r for r in self.rows if r in set(acted)]
+        acted_set = None if acted is None or name == "raw" else set(acted)
+        touched = self.rows if acted_set is None else [r for r in self.rows if r in acted_set]
         if touched:
             self.snaps.append((name, {r: logits[r].clone() for r in touched}))
 
@@ -56,7 +57,8 @@ class Tracer:
         """As record, for a stage that gives its rows' kept tokens: batch rows `rows`, ids / logits [len(rows), K]
         (entries of -inf are not kept)."""
         assert name in STAGES, name
-        kept = {r: (ids[i], logits[i]) for i, r in enumerate(rows) if r in set(self.rows)}
+        traced = set(self.rows)
+        kept = {r: (ids[i], logits[i]) for i, r in enumerate(rows) if r in traced}
         if kept:
             self.snaps.append((name, {r: (i[v.isfinite()], v[v.isfinite()]) for r, (i, v) in kept.items()}))
 
@@ -96,13 +98,15 @@ def _stage(name: str, snap: Snap, prev: _Dist | None, token: int, n: int) -> tup
     if isinstance(snap, tuple):
         ids, sub = snap
     else:
-        vocab = snap.shape[0]
-        kept = (vocab if prev is None else prev.kept) if name in ("raw", "temperature") else None
-        if kept is None:
-            kept = int(snap.isfinite().sum())
+        vocab, finite = snap.shape[0], None
+        if name in ("raw", "temperature"):
+            kept = vocab if prev is None else prev.kept
+        else:
+            finite = snap.isfinite()
+            kept = int(finite.sum())
         if kept == vocab:
             return _full_stage(name, snap, prev, token, n)
-        ids = snap.isfinite().nonzero().flatten()
+        ids = (snap.isfinite() if finite is None else finite).nonzero().flatten()
         sub = snap[ids]
     lse = sub.logsumexp(0)
     kept = ids.numel()

@@ -232,7 +232,8 @@ def process_logits(logits: torch.Tensor, b: SamplingBatch, tracer: Tracer | None
             if tracer is not None:  # both stages as kept tokens only: the k ids, before and after the top-p cut
                 ids, values = after_k[0]
                 tracer.record_kept("top_k", k_rows, ids, values)
-                cut = [i for i, r in enumerate(k_rows) if r in set(p_rows)]
+                p_set = set(p_rows)
+                cut = [i for i, r in enumerate(k_rows) if r in p_set]
                 tracer.record_kept("top_p", [k_rows[i] for i in cut], ids[cut], both.gather(1, ids)[cut])
             logits = _on_rows(logits, fused, lambda _: both)
     k_rows, p_rows = [r for r in k_rows if r not in fused], [r for r in p_rows if r not in fused]
