@@ -7,12 +7,12 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: play test lint install chromium bench-anchors
+.PHONY: play test lint install debs bench-anchors
 
 play: $(STAMP)
 	$(VENV)/bin/decodelab play
 
-test: lint chromium
+test: lint debs
 	$(VENV)/bin/python -m pytest -q
 
 # Style (ruff) and the architecture's import contracts (import-linter, see pyproject.toml).
@@ -36,6 +36,7 @@ $(STAMP): pyproject.toml
 bench-anchors: $(STAMP)
 	CMAKE_BUILD_PARALLEL_LEVEL=2 $(VENV)/bin/decodelab bench anchors --install --jobs 2
 
-# The UI tests drive Debian's Chromium headless.
-chromium:
-	[ -x /usr/bin/chromium ] || { $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends chromium fonts-liberation; }
+# Debian packages the tests use: Chromium (the UI tests drive it headless) and SIMDe's headers (the AVX-512 int8
+# kernel's source built on portable intrinsics, so its tests run on CPUs without AVX-512: kernels/cpu_int8.py).
+debs:
+	[ -x /usr/bin/chromium ] && [ -f /usr/include/simde/x86/avx512.h ] || { $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends chromium fonts-liberation libsimde-dev; }

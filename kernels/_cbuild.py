@@ -1,9 +1,11 @@
 """Build and load the C kernels of this package (cpu_*.c) with the system compiler, once per source version.
 
-Each source is compiled with `$CC` (else `cc`), -O3 -mavx2 -mfma -fopenmp, into `$DECODELAB_CACHE_DIR/kernels`
-(default ~/.cache/decodelab/kernels) under a name that carries a hash of the source, the headers beside it
-(cpu_simd.h) and the flags, built aside and renamed (processes may race). `build()` says why not instead when
-the CPU lacks AVX2 or FMA, there is no compiler, or the build fails; callers then run their PyTorch path.
+Each source is compiled with `$CC` (else `cc`), -O3 -mavx2 -mfma -fopenmp (and a build's own flags: -mavx512f
+-mavx512bw for cpu_int8_avx512.c), into `$DECODELAB_CACHE_DIR/kernels` (default ~/.cache/decodelab/kernels) under a
+name that carries a hash of the source, the headers beside it (cpu_simd.h, cpu_int8.h) and the flags, built aside
+and renamed (processes may race). `build()` says why not instead when the CPU lacks an instruction set the build
+needs (AVX2 and FMA for all), there is no compiler, or the build fails; callers then run their PyTorch path (or a
+narrower build).
 """
 from __future__ import annotations
 
@@ -44,25 +46,33 @@ def cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def build(name: str) -> tuple[ctypes.CDLL | None, str]:
-    """kernels/`name`.c built (unless already in the cache) and loaded: (the library, "") or (None, why not)."""
+def missing(needs: tuple[str, ...]) -> list[str]:
+    """The /proc/cpuinfo flags of `needs` this CPU lacks (all of them where there is no /proc/cpuinfo)."""
+    have = cpu_flags()
+    return [f for f in needs if f not in have]
+
+
+def build(name: str, flags: tuple[str, ...] = (), needs: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str]:
+    """kernels/`name`.c built (unless already in the cache) with FLAGS + `flags` and loaded: (the library, "") or
+    (None, why not). `needs`: the CPU flags (/proc/cpuinfo's names) the build runs on, beyond AVX2 and FMA."""
     source = Path(__file__).with_name(f"{name}.c")
     if generic_cpu():
         return None, "DECODELAB_CPU_ISA=generic: treated as a CPU without AVX2 (an arm64 one, say)"
-    if not {"avx2", "fma"} <= cpu_flags():
-        return None, "this CPU has no AVX2 + FMA (or no /proc/cpuinfo to say so)"
+    if lacking := missing(("avx2", "fma", *needs)):
+        return None, f"this CPU lacks {', '.join(lacking)} (or has no /proc/cpuinfo to say so)"
     cc = shutil.which(os.environ.get("CC") or "cc")
     if cc is None:
         return None, f"no C compiler (cc, or $CC) to build kernels/{name}.c"
+    argv_flags = [*FLAGS, *flags]
     text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
-    tag = hashlib.sha256(text + " ".join(FLAGS).encode()).hexdigest()[:12]
+    tag = hashlib.sha256(text + " ".join(argv_flags).encode()).hexdigest()[:12]
     out = cache_dir() / f"{name}-{tag}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
         try:
-            argv = [cc, *FLAGS, "-o", tmp, str(source), "-lm"]
+            argv = [cc, *argv_flags, "-o", tmp, str(source), "-lm"]
             done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
             if done.returncode != 0:
                 return None, f"building kernels/{name}.c failed: {done.stderr.strip()[:300]}"
@@ -94,12 +104,13 @@ def enabled(why_not: str | None) -> bool:
 class CKernel:
     """One cpu_*.c library, built and loaded on first use, its functions declared (argtypes) by `declare`."""
 
-    def __init__(self, name: str, declare: Callable[[ctypes.CDLL], None]):
-        self.name, self._declare = name, declare
+    def __init__(self, name: str, declare: Callable[[ctypes.CDLL], None], flags: tuple[str, ...] = (),
+                 needs: tuple[str, ...] = ()):
+        self.name, self._declare, self.flags, self.needs = name, declare, flags, needs
 
     @functools.cached_property
     def _loaded(self) -> tuple[ctypes.CDLL | None, str]:
-        lib, why = build(self.name)
+        lib, why = build(self.name, self.flags, self.needs)
         if lib is not None:
             self._declare(lib)
         return lib, why

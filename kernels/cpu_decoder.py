@@ -46,18 +46,19 @@ KERNEL = _cbuild.CKernel("cpu_decoder", _declare)
 
 def unavailable() -> str | None:
     """None if this and the three libraries it calls run here, else why not."""
-    for kernel in (KERNEL, cpu_int8.KERNEL, cpu_layer_ops.KERNEL, cpu_decode_attention.KERNEL):
+    for kernel in (KERNEL, cpu_int8.kernel(), cpu_layer_ops.KERNEL, cpu_decode_attention.KERNEL):
         if (why := kernel.unavailable()) is not None:
             return why
     return None
 
 
-def ops() -> Ops:
-    """The six functions the layers call, from the libraries the module path uses."""
+def ops(int8: _cbuild.CKernel) -> Ops:
+    """The six functions the layers call, from the libraries the module path uses (`int8`: the cpu_int8 build the
+    model's matrices are packed for)."""
     def address(kernel: _cbuild.CKernel, name: str) -> int:
         return ctypes.cast(getattr(kernel.lib, name), _p).value
 
-    return Ops(address(cpu_int8.KERNEL, "dl_int8_linear"), address(cpu_layer_ops.KERNEL, "dl_rms_norm"),
+    return Ops(address(int8, "dl_int8_linear"), address(cpu_layer_ops.KERNEL, "dl_rms_norm"),
                address(cpu_layer_ops.KERNEL, "dl_rope"), address(cpu_layer_ops.KERNEL, "dl_silu_mul"),
                address(cpu_decode_attention.KERNEL, "dl_store_kv"),
                address(cpu_decode_attention.KERNEL, "dl_paged_decode"))

@@ -1,4 +1,5 @@
-"""8-bit weight x int16-quantized activation matmul for x86 CPUs with AVX2 (`cpu_int8.c`), built on first use.
+"""8-bit weight x int16-quantized activation matmul for x86 CPUs with AVX2 (`cpu_int8.c`) or AVX-512 F + BW
+(`cpu_int8_avx512.c`: the same format and integers, whole groups in one 512-bit register), built on first use.
 
 The weights are 8-bit codes in groups of 32 along K, each group with its own fp32 step and offset (`GroupedInt8`,
 `quantize`): a group's 256 levels span its own [min, max], as llama.cpp's Q4_1 / Q5_1 blocks do, so SmolLM2's
@@ -20,7 +21,15 @@ codes in integers (vpmaddwd), one fp32 multiply-add per group of 32, reading eac
 call; the weights are packed at load time (`pack`) so that each group of 4 output rows is one sequential stream
 (docs/kernels.md has the measurements).
 
-The first call (`unavailable()` or `linear()`) compiles `cpu_int8.c` (kernels/_cbuild.py: the system C compiler,
+Which build runs (`default_isa()`): the AVX-512 one where the CPU has avx512f and avx512bw and it builds, else the
+AVX2 one; DECODELAB_CPU_ISA=avx2 forces the AVX2 build on any CPU (int8_linear's DECODELAB_INT8_KERNEL=avx512
+insists on the other). Each packs its weights for its own blocks (`pack`'s `row_bytes`), so a `Matrix` belongs to
+one build.
+"avx512-simde" is the AVX-512 source compiled against SIMDe's portable intrinsics (Debian's libsimde-dev): how the
+tests check that build's logic on a CPU without AVX-512 (16-40x slower than the AVX2 build on Zen 3; never chosen by
+`default_isa()`).
+
+The first call (`unavailable()` or `linear()`) compiles the source (kernels/_cbuild.py: the system C compiler,
 -O3 -mavx2 -mfma -fopenmp, into `$DECODELAB_CACHE_DIR/kernels`, once per source version). `unavailable()` says
 why not when the CPU lacks AVX2 or FMA, there is no compiler, or the build fails: callers
 (int8_linear.int8_kernel) then fall back to PyTorch's kernels.
@@ -42,8 +51,40 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dl_int8_linear.restype = ctypes.c_int
 
 
-KERNEL = _cbuild.CKernel("cpu_int8", _declare)
-unavailable = KERNEL.unavailable  # None if the kernel runs here, else why not
+KERNELS = {
+    "avx512": _cbuild.CKernel("cpu_int8_avx512", _declare, ("-mavx512f", "-mavx512bw"), ("avx512f", "avx512bw")),
+    "avx2": _cbuild.CKernel("cpu_int8", _declare),
+    "avx512-simde": _cbuild.CKernel("cpu_int8_avx512", _declare, ("-DDL_SIMDE", "-Wno-psabi")),
+}
+ROW_BYTES = {"avx512": 32, "avx2": 16, "avx512-simde": 32}  # a row's bytes of 8-bit codes per piece (`pack`)
+CPU_ISAS = ("avx2", "avx512", "generic")  # DECODELAB_CPU_ISA's values; unset or empty: what the CPU has
+
+
+def cpu_isa() -> str:
+    """DECODELAB_CPU_ISA, checked ("" when unset): avx2 and generic narrow every choice; avx512 (or nothing) lets
+    the CPU decide, as it cannot add instructions the CPU lacks."""
+    chosen = os.environ.get("DECODELAB_CPU_ISA", "").lower()
+    if chosen and chosen not in CPU_ISAS:
+        raise ValueError(f"DECODELAB_CPU_ISA: expected one of {', '.join(CPU_ISAS)}, got {chosen!r}")
+    return chosen
+
+
+def default_isa() -> str:
+    """The build a `Matrix` uses unless told: "avx512" where it runs (and DECODELAB_CPU_ISA allows it), else
+    "avx2"."""
+    if cpu_isa() not in ("avx2", "generic") and KERNELS["avx512"].unavailable() is None:
+        return "avx512"
+    return "avx2"
+
+
+def kernel(name: str | None = None) -> _cbuild.CKernel:
+    """The library of build `name` (default: `default_isa()`)."""
+    return KERNELS[name or default_isa()]
+
+
+def unavailable(name: str | None = None) -> str | None:
+    """None if build `name` (default: `default_isa()`'s) runs here, else why not."""
+    return kernel(name).unavailable()
 
 GROUP = 32  # weights along K that share a step and an offset: llama.cpp's block (Q8_0, Q4_1)
 
@@ -90,14 +131,15 @@ def quantize(weight: torch.Tensor) -> GroupedInt8:
     return GroupedInt8(u.view(n, g * GROUP).to(torch.uint8), d, lo, k)
 
 
-def pack(u: torch.Tensor) -> torch.Tensor:
-    """u [N, Kp] (Kp a multiple of GROUP) in the kernel's layout: groups of 4 output rows (N padded with zero rows
-    to a multiple of 4), each group's rows interleaved in 16-byte pieces per k-step, so a group is one sequential
-    stream: [ceil(N / 4), Kp / 16, 4, 16]."""
+def pack(u: torch.Tensor, row_bytes: int = 16) -> torch.Tensor:
+    """u [N, Kp] (Kp a multiple of GROUP) in a kernel's layout: groups of 4 output rows (N padded with zero rows
+    to a multiple of 4), each group's rows interleaved in pieces of `row_bytes` (16 for the AVX2 build's 16-wide
+    k-steps, 32 for the AVX-512 one's whole groups), so a group is one sequential stream:
+    [ceil(N / 4), Kp / row_bytes, 4, row_bytes]."""
     n, kp = u.shape
-    assert kp % GROUP == 0, kp
+    assert kp % GROUP == 0 and GROUP % row_bytes == 0, (kp, row_bytes)
     padded = torch.nn.functional.pad(u, (0, 0, 0, -n % 4))
-    return padded.view(padded.shape[0] // 4, 4, kp // 16, 16).transpose(1, 2).contiguous()
+    return padded.view(padded.shape[0] // 4, 4, kp // row_bytes, row_bytes).transpose(1, 2).contiguous()
 
 
 def four_bit(u: torch.Tensor) -> bool:
@@ -137,16 +179,19 @@ class Matrix:
     """A GroupedInt8 weight (and bias [N] fp32), checked and packed once: `m(x)` = x @ w.T + bias with ~4 us less
     per call (121 calls in a SmolLM2 decode step). Holds the packed copies only. A weight whose codes are all 4-bit
     ones (`four_bit`: a Q4_1 GGUF's) is packed as 4-bit codes with 17x the steps: the same weights (to an fp32
-    rounding of each step), half the bytes a decode step reads (`nibbles`)."""
+    rounding of each step), half the bytes a decode step reads (`nibbles`). `isa`: the build that multiplies
+    (default `default_isa()`), whose layout it is packed in."""
 
-    def __init__(self, w: GroupedInt8, bias: torch.Tensor | None = None):
+    def __init__(self, w: GroupedInt8, bias: torch.Tensor | None = None, isa: str | None = None):
         assert w.u.dtype == torch.uint8 and w.d.dtype == w.m.dtype == torch.float32 and w.u.device.type == "cpu"
         assert bias is None or (bias.dtype == torch.float32 and bias.shape == (w.n,))
+        self.isa = isa or default_isa()
+        self.kernel = KERNELS[self.isa]
         self.nibbles = nibbles_enabled() and four_bit(w.u)
         if self.nibbles:
             self.packed, self.steps = pack4(w.u // 17), pack_steps(w.d * 17)
         else:
-            self.packed, self.steps = pack(w.u), pack_steps(w.d)
+            self.packed, self.steps = pack(w.u, ROW_BYTES[self.isa]), pack_steps(w.d)
         self.offsets = pack_offsets(w.m)
         self.bias = None if bias is None else bias.contiguous()
         self.n, self.k = w.n, w.k
@@ -161,12 +206,13 @@ class Matrix:
         out = torch.empty(x.shape[0], self.n)
         if x.shape[0]:
             packed, steps, offsets, bias, nib = self._ptrs
-            if KERNEL.lib.dl_int8_linear(x.data_ptr(), x.stride(0), x.shape[0], self.k, packed, steps, offsets, bias,
-                                         out.data_ptr(), self.n, nib):
+            if self.kernel.lib.dl_int8_linear(x.data_ptr(), x.stride(0), x.shape[0], self.k, packed, steps, offsets,
+                                              bias, out.data_ptr(), self.n, nib):
                 raise MemoryError("cpu_int8: no memory for the int16 copy of the activations")
         return out
 
 
-def linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+           isa: str | None = None) -> torch.Tensor:
     """x [M, K] fp32 (CPU) @ q [N, K] int8, times scale [N] fp32, plus bias [N] fp32 -> [M, N] fp32."""
-    return Matrix(GroupedInt8.from_int8(q, scale), bias)(x)
+    return Matrix(GroupedInt8.from_int8(q, scale), bias, isa)(x)

@@ -129,6 +129,9 @@ def cpu_info() -> dict:
         pass
     isa = ("avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "other") if flags else "unknown"
     extras = sorted(f for f in flags if f in ("avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16"))
+    from kernels import cpu_int8  # the int8 kernel's build this process runs (None: none of ours builds)
+
+    int8_isa = cpu_int8.default_isa() if cpu_int8.unavailable() is None else None
     return {"model": model, "family": ids.get("cpu family"), "model_id": ids.get("model"), "cores": os.cpu_count(),
-            "isa": isa, "isa_extras": extras,
+            "isa": isa, "isa_extras": extras, "int8_isa": int8_isa,
             "label": f"{model} ({os.cpu_count()} cores, {isa.upper()}{', ' + ', '.join(extras) if extras else ''})"}

@@ -5,7 +5,7 @@ import pytest
 
 from engine_service import LLM, SamplingParams
 from engine_service.engine.models.fused_decode import FusedDecode
-from kernels import cpu_decoder
+from kernels import cpu_decoder, cpu_int8
 from tests.helpers import GREEDY, random_prompt
 
 pytestmark = pytest.mark.skipif(cpu_decoder.unavailable() is not None,
@@ -26,14 +26,23 @@ def outputs(llm: LLM, prompts: list[list[int]]) -> list:
             for r in llm.generate(requests, params)]
 
 
+SIMDE = cpu_int8.unavailable("avx512-simde")
+
+
+@pytest.mark.parametrize("build", ["avx2", pytest.param("avx512-simde", marks=pytest.mark.skipif(
+    SIMDE is not None, reason=f"no SIMDe build: {SIMDE}"))])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_fused_steps_give_the_module_paths_bits(arch, tiny_llama_dir, tiny_qwen2_dir, monkeypatch):
-    monkeypatch.setenv("DECODELAB_INT8_KERNEL", "avx2")
+def test_fused_steps_give_the_module_paths_bits(arch, build, tiny_llama_dir, tiny_qwen2_dir, monkeypatch):
+    # avx512-simde: the AVX-512 build's source on SIMDe, where a CPU with AVX-512 has its own build
+    if build == "avx512-simde":
+        monkeypatch.setitem(cpu_int8.KERNELS, "avx512", cpu_int8.KERNELS["avx512-simde"])
+    monkeypatch.setenv("DECODELAB_INT8_KERNEL", build.removesuffix("-simde"))
     model_dir = tiny_llama_dir if arch == "llama" else tiny_qwen2_dir
     prompts = [random_prompt(9, seed=s) * 2 for s in range(3)]  # repeats give the n-gram proposer drafts
     fused_llm, module_llm = LLM(model=str(model_dir), quantization="int8"), LLM(model=str(model_dir),
                                                                                  quantization="int8")
     module_llm.engine.runner.model.fused_decode = False  # never tried: the module path for every step
+    assert module_llm.engine.runner.model.layers[0].mlp.down_proj.int8.matrix.kernel is cpu_int8.KERNELS[build]
     runs = []
     monkeypatch.setattr(FusedDecode, "run", lambda self, *a, run=FusedDecode.run: runs.append(a[0].shape[0])
                         or run(self, *a))

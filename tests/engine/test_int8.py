@@ -24,13 +24,29 @@ from tests.helpers import GREEDY, random_prompt
 
 FBGEMM = _fbgemm_error()  # None, or why fbgemm does not run on this CPU
 needs_fbgemm = pytest.mark.skipif(FBGEMM is not None, reason=f"no fbgemm here: {FBGEMM}")
-AVX2 = cpu_int8.unavailable()  # None, or why kernels/cpu_int8.c does not build or run here
+AVX2 = cpu_int8.unavailable("avx2")  # None, or why kernels/cpu_int8.c does not build or run here
 needs_avx2 = pytest.mark.skipif(AVX2 is not None, reason=f"no avx2 int8 kernel here: {AVX2}")
-KERNELS = [pytest.param("fbgemm", marks=needs_fbgemm), pytest.param("avx2", marks=needs_avx2), "dequant"]
-BATCH_INVARIANT = [pytest.param("fbgemm", marks=needs_fbgemm), pytest.param("avx2", marks=needs_avx2)]
+AVX512 = cpu_int8.unavailable("avx512")  # None, or why (the instructions the CPU lacks) cpu_int8_avx512.c does not
+SIMDE = cpu_int8.unavailable("avx512-simde")  # the AVX-512 source on SIMDe's portable intrinsics: on any x86 CPU
+# "avx512-simde": the engine with DECODELAB_INT8_KERNEL=avx512 as on a CPU with AVX-512, its build on SIMDe (`ours`)
+OURS = [pytest.param("avx2", marks=needs_avx2),
+        pytest.param("avx512", marks=pytest.mark.skipif(AVX512 is not None, reason=f"no avx512 int8 kernel: {AVX512}")),
+        pytest.param("avx512-simde", marks=pytest.mark.skipif(SIMDE is not None, reason=f"no SIMDe build: {SIMDE}"))]
+KERNELS = [pytest.param("fbgemm", marks=needs_fbgemm), *OURS, "dequant"]
+BATCH_INVARIANT = [pytest.param("fbgemm", marks=needs_fbgemm), *OURS]
 # ||int8 - fp32|| / ||fp32|| on random N(0, 1) inputs and weights: 7-bit weights and 8-bit activations (fbgemm)
-# measure ~0.9%, 8-bit weight-only (avx2, dequant) ~0.4%; the bounds leave 2x.
-REL_ERROR = {"fbgemm": 0.02, "avx2": 0.01, "dequant": 0.01}
+# measure ~0.9%, 8-bit weight-only (ours, dequant) ~0.4%; the bounds leave 2x.
+REL_ERROR = {"fbgemm": 0.02, "avx2": 0.01, "avx512": 0.01, "avx512-simde": 0.01, "dequant": 0.01}
+
+
+def ours(kernel: str, monkeypatch) -> str:
+    """The int8_linear kernel name for `kernel`; "avx512-simde" puts the SIMDe build where the AVX-512 one goes and
+    sets DECODELAB_INT8_KERNEL=avx512, so the engine runs as on a CPU with AVX-512."""
+    if kernel != "avx512-simde":
+        return kernel
+    monkeypatch.setitem(cpu_int8.KERNELS, "avx512", cpu_int8.KERNELS["avx512-simde"])
+    monkeypatch.setenv("DECODELAB_INT8_KERNEL", "avx512")
+    return "avx512"
 
 
 def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -40,14 +56,14 @@ def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("rows", [1, 5, 40])
 @pytest.mark.parametrize("bias", [False, True])
-def test_int8_linear_is_within_its_relative_error_of_fp32(kernel, rows, bias):
+def test_int8_linear_is_within_its_relative_error_of_fp32(kernel, rows, bias, monkeypatch):
     torch.manual_seed(rows)
     layer = Linear(256, 96, bias=bias)
     with torch.no_grad():
         layer.weight.normal_()
     want_w, want_b = layer.weight.detach().clone(), None if layer.bias is None else layer.bias.detach().clone()
     x = torch.randn(rows, 256)
-    layer.quantize_int8(kernel)
+    layer.quantize_int8(ours(kernel, monkeypatch))
     assert layer.weight.is_meta and layer.weight.shape == (96, 256)  # the float copy is gone
     got = layer(x)
     assert got.shape == (rows, 96) and got.dtype == torch.float32
@@ -55,19 +71,19 @@ def test_int8_linear_is_within_its_relative_error_of_fp32(kernel, rows, bias):
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_int8_linear_takes_empty_and_bf16_inputs(kernel):
-    w = Int8Weight(torch.randn(32, 64), torch.randn(32), kernel)
+def test_int8_linear_takes_empty_and_bf16_inputs(kernel, monkeypatch):
+    w = Int8Weight(torch.randn(32, 64), torch.randn(32), ours(kernel, monkeypatch))
     assert w(torch.empty(0, 64)).shape == (0, 32)
     x = torch.randn(3, 64, dtype=torch.bfloat16)
     assert w(x).dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("kernel", BATCH_INVARIANT)
-def test_a_row_gives_the_same_int8_result_alone_or_in_any_batch(kernel):
+def test_a_row_gives_the_same_int8_result_alone_or_in_any_batch(kernel, monkeypatch):
     # fbgemm: rows scaled to max |x| = 1 on one fixed grid; avx2: every output one dot product in a fixed order
     # whichever block of rows computes it. Either way a row's product does not depend on its neighbours
     torch.manual_seed(0)
-    w = Int8Weight(torch.randn(130, 260), torch.randn(130), kernel)  # 130, 260: edges of the avx2 blocks
+    w = Int8Weight(torch.randn(130, 260), torch.randn(130), ours(kernel, monkeypatch))  # edges of the blocks
     rows = torch.randn(9, 260) * torch.tensor([1.0, 100.0, 0.01, 5.0, 1e3, 0.5, 2.0, 3.0, 0.1])[:, None]
     batched = w(rows)
     for i in range(9):
@@ -97,7 +113,9 @@ def test_the_fp16_head_matches_fp32_closely():
 def test_kernel_choice_and_its_switch(monkeypatch):
     assert int8_kernel(torch.device("cuda")) == "dequant"
     # our kernel first: its grouped 8-bit weights and int16 activations keep the model's probabilities
-    assert int8_kernel(torch.device("cpu")) == ("avx2" if AVX2 is None else "fbgemm" if FBGEMM is None else "dequant")
+    default = cpu_int8.default_isa() if cpu_int8.unavailable() is None else "fbgemm" if FBGEMM is None else "dequant"
+    assert int8_kernel(torch.device("cpu")) == default
+    assert default != "avx2" or AVX512 is not None  # the AVX-512 build where the CPU has it
     monkeypatch.setenv("DECODELAB_INT8_KERNEL", "fbgemm")
     if FBGEMM is None:
         assert int8_kernel(torch.device("cpu")) == "fbgemm"
@@ -108,6 +126,12 @@ def test_kernel_choice_and_its_switch(monkeypatch):
         assert int8_kernel(torch.device("cpu")) == "avx2"
     else:
         with pytest.raises(ValueError, match="avx2 does not run here"):
+            int8_kernel(torch.device("cpu"))
+    monkeypatch.setenv("DECODELAB_INT8_KERNEL", "avx512")
+    if AVX512 is None:
+        assert int8_kernel(torch.device("cpu")) == "avx512"
+    else:
+        with pytest.raises(ValueError, match="avx512 does not run here.*avx512"):  # names what the CPU lacks
             int8_kernel(torch.device("cpu"))
     monkeypatch.setenv("DECODELAB_INT8_KERNEL", "int4")
     with pytest.raises(ValueError, match="DECODELAB_INT8_KERNEL"):
@@ -156,6 +180,7 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
 def test_int8_engine_predicts_the_fp32_top_token_at_most_positions(kernel, arch, tiny_llama_dir, tiny_qwen2_dir,
                                                                    monkeypatch):
     monkeypatch.setenv("DECODELAB_INT8_KERNEL", kernel)
+    kernel = ours(kernel, monkeypatch)
     model = str(tiny_llama_dir if arch == "llama" else tiny_qwen2_dir)
     prompts = [random_prompt(48, seed=s) for s in range(4)]
     fp32_out, fp32_top = greedy_and_teacher_forced(LLM(model=model), prompts)
@@ -171,7 +196,8 @@ def test_int8_engine_predicts_the_fp32_top_token_at_most_positions(kernel, arch,
     head = llm.engine.runner.model.quantized_head
     assert isinstance(head, HeadWeight) if want["head"] == "fp16" else head.kernel == want["head"]
     if kernel == "fbgemm":
-        mix = ("avx2|fbgemm", "avx2", "avx2|fbgemm", "avx2", "avx2") if AVX2 is None else (
+        ours_ = cpu_int8.default_isa()
+        mix = ("avx2|fbgemm", ours_, "avx2|fbgemm", ours_, ours_) if AVX2 is None else (
             "fbgemm", "fbgemm", "fbgemm", "fp16", "fp16")  # no C compiler
         assert tuple(want.values()) == mix
     int8_out, int8_top = greedy_and_teacher_forced(llm, prompts)
@@ -192,6 +218,7 @@ def test_int8_speculative_output_equals_int8_greedy(kernel, tiny_llama_dir, monk
     # rows are batch-invariant, so verifying k drafts at once picks what one-token steps pick (with one
     # activation scale per step, as linear_dynamic has, 5 of 8 such prompts came out different)
     monkeypatch.setenv("DECODELAB_INT8_KERNEL", kernel)
+    ours(kernel, monkeypatch)
     llm = LLM(model=str(tiny_llama_dir), quantization="int8")
     prompts = [{"prompt_token_ids": random_prompt(12, seed=s) * 3} for s in range(4)]  # repeats: n-gram drafts
     greedy = llm.generate(prompts, SamplingParams(max_tokens=24, **GREEDY))
@@ -203,13 +230,22 @@ def test_int8_speculative_output_equals_int8_greedy(kernel, tiny_llama_dir, monk
 
 @pytest.fixture(scope="module")
 def smollm2_scores(smollm2_dir):
-    """fp32, default int8 weights and an int8 KV cache on SmolLM2: the first 400 tokens of the prose held-out text
-    and three lm-eval-style pairs (engine_service/bench/quality.py; the issue's worst one first)."""
+    """fp32, default int8 weights, an int8 KV cache and (where SIMDe builds) int8 weights on the AVX-512 build on
+    SmolLM2: the first 400 tokens of the prose held-out text and three lm-eval-style pairs
+    (engine_service/bench/quality.py; the issue's worst one first)."""
     from engine_service.bench.quality import continuation_logliks, pair_tokens, quality_texts, text_scores
 
     runs = {}
-    for quantization, kv in ((None, "auto"), ("int8", "auto"), (None, "int8")):
-        llm = LLM(model=str(smollm2_dir), quantization=quantization, kv_cache_dtype=kv, num_kv_blocks=64)
+    for quantization, kv in ((None, "auto"), ("int8", "auto"), (None, "int8"), ("int8-avx512-simde", "auto")):
+        if quantization == "int8-avx512-simde":
+            if SIMDE is not None:
+                continue
+            with pytest.MonkeyPatch.context() as mp:
+                ours("avx512-simde", mp)
+                llm = LLM(model=str(smollm2_dir), quantization="int8", num_kv_blocks=64)
+                assert llm.engine.runner.model.layers[0].mlp.down_proj.int8.matrix.isa == "avx512"
+        else:
+            llm = LLM(model=str(smollm2_dir), quantization=quantization, kv_cache_dtype=kv, num_kv_blocks=64)
         text = {"prose": quality_texts(llm.tokenizer, ("prose.txt",))["prose.txt"][:400]}
         pairs = pair_tokens(llm.tokenizer, [("The largest planet is", " Jupiter"), ("The cat sat on the", " mat"),
                                             ("The capital of France is", " Paris")])
@@ -232,6 +268,18 @@ def test_int8_smollm2_keeps_perplexity_and_the_top_token_on_a_real_paragraph(smo
     ppl = [math.exp(-sum(s.logprobs) / len(s.logprobs)) for s in (fp32, int8)]
     assert ppl[1] / ppl[0] - 1 <= 0.005  # measured +0.16%
     assert agreement([int8.top1], [fp32.top1]) >= 0.97  # measured 99.5%
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(SIMDE is not None, reason=f"no SIMDe build: {SIMDE}")
+def test_int8_smollm2_on_the_avx512_build_keeps_the_same_bounds(smollm2_scores):
+    # the AVX-512 build's format and integers are the AVX2 one's; its lanes add in another order (ulps)
+    (fp32, fp32_pairs), (wide, wide_pairs) = smollm2_scores[None], smollm2_scores["int8-avx512-simde"]
+    narrow = smollm2_scores["int8"][0]
+    assert max(abs(a - b) for a, b in zip(wide_pairs, fp32_pairs)) <= 0.05
+    ppl = [math.exp(-sum(s.logprobs) / len(s.logprobs)) for s in (fp32, wide, narrow)]
+    assert ppl[1] / ppl[0] - 1 <= 0.005 and abs(ppl[1] / ppl[2] - 1) <= 1e-3
+    assert agreement([wide.top1], [fp32.top1]) >= 0.97
 
 
 @pytest.mark.slow

@@ -3,15 +3,27 @@ import pytest
 
 from kernels import _cbuild, cpu_decode_attention, cpu_decoder, cpu_int8, cpu_layer_ops, cpu_logits
 
+KERNELS = {**{f"cpu_int8 {isa}": k for isa, k in cpu_int8.KERNELS.items()},
+           **{m.__name__: m.KERNEL for m in (cpu_decode_attention, cpu_layer_ops, cpu_logits, cpu_decoder)}}
 
-@pytest.mark.parametrize("module", [cpu_int8, cpu_decode_attention, cpu_layer_ops, cpu_logits, cpu_decoder])
-def test_without_a_compiler_it_reports_why_and_does_not_build(module, monkeypatch, tmp_path):
-    if module.unavailable() is not None:
-        pytest.skip(f"it does not build here anyway: {module.unavailable()}")
+
+@pytest.mark.parametrize("name", KERNELS)
+def test_without_a_compiler_it_reports_why_and_does_not_build(name, monkeypatch, tmp_path):
+    kernel = KERNELS[name]
+    if kernel.unavailable() is not None:
+        pytest.skip(f"it does not build here anyway: {kernel.unavailable()}")
     monkeypatch.setenv("CC", "no-such-compiler-decodelab")
     monkeypatch.setenv("DECODELAB_CACHE_DIR", str(tmp_path))
-    lib, why = _cbuild.build(module.KERNEL.name)  # what the module's first use does
+    lib, why = _cbuild.build(kernel.name, kernel.flags, kernel.needs)  # what the kernel's first use does
     assert lib is None and "no C compiler" in why
+    assert not any(tmp_path.rglob("*.so"))
+
+
+def test_a_build_for_instructions_the_cpu_lacks_names_them_and_is_not_built(monkeypatch, tmp_path):
+    monkeypatch.setenv("DECODELAB_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(_cbuild, "cpu_flags", lambda: {"avx2", "fma", "avx512f"})  # AVX-512 F without BW
+    lib, why = _cbuild.build("cpu_int8_avx512", ("-mavx512f", "-mavx512bw"), ("avx512f", "avx512bw"))
+    assert lib is None and "lacks avx512bw" in why and "avx512f" not in why.split("lacks")[1]
     assert not any(tmp_path.rglob("*.so"))
 
 

@@ -1,7 +1,12 @@
-"""kernels/cpu_int8.c, our AVX2 kernel for grouped 8-bit weights x int16-quantized activations: against its exact
-reference (the same integers in float64) and the float product, every block shape (rows 1-9 and more, outputs and
-inner sizes off its 4 x 32 grid), the bias, a row alone or in any batch, long rows, NaN and inf (its build's
-fall-back: test_cbuild.py); and `quantize`, its weight format (GroupedInt8)."""
+"""kernels/cpu_int8.c and cpu_int8_avx512.c, our AVX2 and AVX-512 kernels for grouped 8-bit weights x
+int16-quantized activations: each against its exact reference (the same integers in float64) and the float product,
+every block shape (rows 1-9 and more, outputs and inner sizes off its 4 x 32 grid), the bias, a row alone or in any
+batch, long rows, NaN and inf (its build's fall-back: test_cbuild.py); and `quantize`, its weight format
+(GroupedInt8).
+
+Each test runs on every build that runs here: "avx2" where the CPU has AVX2, "avx512" where it has AVX-512 F + BW
+(the skip names what it lacks), and "avx512-simde", the AVX-512 source on SIMDe's portable intrinsics (Debian's
+libsimde-dev, which `make test` installs), so the AVX-512 build's logic is checked on every x86 CPU."""
 import pytest
 import torch
 from hypothesis import example, given, settings
@@ -9,8 +14,9 @@ from hypothesis import strategies as st
 
 from kernels import cpu_int8
 
-pytestmark = pytest.mark.skipif(cpu_int8.unavailable() is not None,
-                                reason=f"no avx2 int8 kernel here: {cpu_int8.unavailable()}")
+ISAS = [pytest.param(name, marks=pytest.mark.skipif(cpu_int8.unavailable(name) is not None,
+                                                   reason=f"no {name} int8 kernel here: {cpu_int8.unavailable(name)}"))
+        for name in cpu_int8.KERNELS]
 
 
 def quantized_rows(x, xmax=32767):
@@ -28,10 +34,10 @@ def exact(x, w: cpu_int8.GroupedInt8, bias=None):
     return y if bias is None else y + bias.double()
 
 
-def check(x, w: cpu_int8.GroupedInt8, bias=None) -> torch.Tensor:
+def check(x, w: cpu_int8.GroupedInt8, bias=None, isa=None) -> torch.Tensor:
     """the kernel against `exact` (fp32 rounds the group sums, the steps and the lanes: a few ulps of the terms'
     magnitude) and each row alone against its batch, bit for bit"""
-    matrix = cpu_int8.Matrix(w, bias)
+    matrix = cpu_int8.Matrix(w, bias, isa)
     got = matrix(x)
     assert got.shape == (x.shape[0], w.n) and got.dtype == torch.float32
     terms = x.abs().amax(1, keepdim=True).double() * (w.u.double().view(w.n, -1, 32).sum(-1) * w.d.double()
@@ -48,15 +54,16 @@ def check(x, w: cpu_int8.GroupedInt8, bias=None) -> torch.Tensor:
 @example(rows=8, n=960, k=576, bias=False, seed=0)  # a SmolLM2 qkv projection, the four-mode batch
 @example(rows=1, n=576, k=1536, bias=True, seed=1)  # down_proj at batch 1
 @example(rows=7, n=10, k=37, bias=True, seed=2)  # chunks of 4 and 3 rows, a part-filled group, a padded k-step
-def test_per_row_int8_matches_its_reference_and_the_float_product_and_each_row_is_batch_invariant(rows, n, k, bias,
+@pytest.mark.parametrize("isa", ISAS)
+def test_per_row_int8_matches_its_reference_and_the_float_product_and_each_row_is_batch_invariant(isa, rows, n, k, bias,
                                                                                                    seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, k, generator=g)
     q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
     scale = torch.rand(n, generator=g) * 0.01 + 1e-4
     b = torch.randn(n, generator=g) if bias else None
-    got = check(x, cpu_int8.GroupedInt8.from_int8(q, scale), b)
-    assert torch.equal(cpu_int8.linear(x, q, scale, b), got)
+    got = check(x, cpu_int8.GroupedInt8.from_int8(q, scale), b, isa)
+    assert torch.equal(cpu_int8.linear(x, q, scale, b, isa), got)
     # int16 activations: each off by at most half a step (max|x| / 32767 / 2) from fp32's
     unit = 127 * float(scale.max()) * float(x.abs().max()) if rows else 0.0
     fp = (x.double() @ q.double().T) * scale.double() + (0 if b is None else b.double())
@@ -67,13 +74,14 @@ def test_per_row_int8_matches_its_reference_and_the_float_product_and_each_row_i
 @given(rows=st.integers(1, 9), n=st.integers(1, 21), k=st.integers(1, 100), outliers=st.booleans(),
        seed=st.integers(0, 10_000))
 @example(rows=4, n=576, k=1536, outliers=True, seed=3)  # SmolLM2's down_proj
-def test_grouped_weights_match_their_reference_and_are_batch_invariant(rows, n, k, outliers, seed):
+@pytest.mark.parametrize("isa", ISAS)
+def test_grouped_weights_match_their_reference_and_are_batch_invariant(isa, rows, n, k, outliers, seed):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * 0.05 + (torch.randn(n, 1, generator=g) * 0.02)
     if outliers:  # a few large weights, and one row far from zero (every group's offset large)
         w[torch.rand(n, k, generator=g) < 0.01] *= 40
         w[0] += 3.0
-    check(torch.randn(rows, k, generator=g), cpu_int8.quantize(w))
+    check(torch.randn(rows, k, generator=g), cpu_int8.quantize(w), isa=isa)
 
 
 @settings(max_examples=30, deadline=None)
@@ -105,33 +113,36 @@ def test_per_row_int8_maps_onto_the_grouped_form_exactly():
     assert torch.equal(cpu_int8.GroupedInt8.from_int8(q, torch.full((5,), 0.5)).dequantize(), q.float() * 0.5)
 
 
-def test_strided_inputs_are_read_as_their_values():
+@pytest.mark.parametrize("isa", ISAS)
+def test_strided_inputs_are_read_as_their_values(isa):
     x = torch.randn(16, 64)[::2]  # every other row: not contiguous
     q = torch.randint(-127, 128, (12, 64), dtype=torch.int8)
     scale = torch.full((12,), 0.01)
-    assert torch.equal(cpu_int8.linear(x, q, scale), cpu_int8.linear(x.contiguous(), q, scale))
+    assert torch.equal(cpu_int8.linear(x, q, scale, isa=isa), cpu_int8.linear(x.contiguous(), q, scale, isa=isa))
     xt = torch.randn(64, 5).T  # a transposed matrix: its elements 5 apart within a row
-    assert torch.equal(cpu_int8.linear(xt, q, scale), cpu_int8.linear(xt.contiguous(), q, scale))
+    assert torch.equal(cpu_int8.linear(xt, q, scale, isa=isa), cpu_int8.linear(xt.contiguous(), q, scale, isa=isa))
 
 
-def test_long_rows_keep_all_16_activation_bits_without_overflowing():
+@pytest.mark.parametrize("isa", ISAS)
+def test_long_rows_keep_all_16_activation_bits_without_overflowing(isa):
     # 20,000 products of 127 x 32767 would pass int32 in one lane; each group of 32 is added in fp32 instead
     k = 20_000
     x = torch.ones(2, k)
     x[1] = -1
     q = torch.full((3, k), 127, dtype=torch.int8)
-    got = cpu_int8.linear(x, q, torch.ones(3))
+    got = cpu_int8.linear(x, q, torch.ones(3), isa=isa)
     # fp32 sums of 625 groups, whose codes (q + 128) and offsets (-128) cancel to half their size: ~1e-5
     assert torch.allclose(got, torch.tensor([[127.0 * k] * 3, [-127.0 * k] * 3]), rtol=1e-4)
-    check(torch.randn(2, k), cpu_int8.GroupedInt8.from_int8(q, torch.ones(3)))
+    check(torch.randn(2, k), cpu_int8.GroupedInt8.from_int8(q, torch.ones(3)), isa=isa)
 
 
-def test_a_nan_or_inf_in_a_row_makes_that_row_nan_and_leaves_the_others():
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_nan_or_inf_in_a_row_makes_that_row_nan_and_leaves_the_others(isa):
     x = torch.randn(3, 40)
     x[0, 17] = float("nan")
     x[2, 33] = float("inf")
     q = torch.randint(-127, 128, (5, 40), dtype=torch.int8)
-    got = cpu_int8.linear(x, q, torch.full((5,), 0.01))
+    got = cpu_int8.linear(x, q, torch.full((5,), 0.01), isa=isa)
     assert got[0].isnan().all() and got[2].isnan().all() and got[1].isfinite().all()
 
 
@@ -143,6 +154,11 @@ def test_pack_interleaves_four_rows_per_k_step_and_pads_with_zeros():
         for k in range(64):
             assert p[n // 4, k // 16, n % 4, k % 16] == u[n, k]
     assert (p[1, :, 2:] == 0).all()  # the padding rows
+    p32 = cpu_int8.pack(u, row_bytes=32)  # the AVX-512 build's: a row's whole group of 32 codes in one piece
+    assert p32.shape == (2, 2, 4, 32) and p32.is_contiguous()
+    for n in range(6):
+        for k in range(64):
+            assert p32[n // 4, k // 32, n % 4, k % 32] == u[n, k]
     d = torch.arange(12, dtype=torch.float32).view(6, 2)
     steps = cpu_int8.pack_steps(d)
     assert steps.shape == (2, 2, 4)  # per group of 4 rows and group of 32 k: the 4 rows' steps
@@ -167,15 +183,16 @@ def q4_grid(n: int, k: int, seed: int) -> torch.Tensor:
 @given(rows=st.integers(1, 9), n=st.integers(1, 21), k=st.sampled_from([32, 64, 96]), seed=st.integers(0, 10_000))
 @example(rows=1, n=576, k=1536, seed=1)  # SmolLM2's down_proj at batch 1
 @example(rows=8, n=960, k=576, seed=0)  # its qkv projection, the four-mode batch
-def test_q4_weights_run_as_4_bit_codes_with_the_8_bit_results(rows, n, k, seed):
+@pytest.mark.parametrize("isa", ISAS)
+def test_q4_weights_run_as_4_bit_codes_with_the_8_bit_results(isa, rows, n, k, seed):
     w = cpu_int8.quantize(q4_grid(n, k, seed))
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed))
-    assert cpu_int8.four_bit(w.u) and cpu_int8.Matrix(w).nibbles
-    got = check(x, w)  # the 8-bit codes' reference, and each row alone against its batch
+    assert cpu_int8.four_bit(w.u) and cpu_int8.Matrix(w, isa=isa).nibbles
+    got = check(x, w, isa=isa)  # the 8-bit codes' reference, and each row alone against its batch
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DECODELAB_INT8_NIBBLES", "0")
-        eight = cpu_int8.Matrix(w)
-    assert not eight.nibbles and eight.packed.numel() == 2 * cpu_int8.Matrix(w).packed.numel()
+        eight = cpu_int8.Matrix(w, isa=isa)
+    assert not eight.nibbles and eight.packed.numel() == 2 * cpu_int8.Matrix(w, isa=isa).packed.numel()
     # the same products; the steps differ by the fp32 rounding of d * 17
     torch.testing.assert_close(got, eight(x), rtol=1e-5, atol=1e-5 * float(got.abs().max()))
 
@@ -190,3 +207,32 @@ def test_pack4_puts_a_groups_32_codes_in_16_bytes_low_nibbles_first():
             assert (byte >> 4 if k % 32 >= 16 else byte & 15) == u4[n, k]
     assert (p[1, :, 2:] == 0).all()  # the padding rows
     assert not cpu_int8.four_bit(torch.tensor([[0, 17, 18]], dtype=torch.uint8))
+
+
+@pytest.mark.skipif(cpu_int8.unavailable("avx2") is not None or cpu_int8.unavailable("avx512-simde") is not None,
+                    reason="needs the avx2 build and the SIMDe one")
+@pytest.mark.parametrize("nibbles", [False, True])
+def test_the_avx512_build_gives_the_avx2_builds_results_to_the_rounding_of_its_lane_sums(nibbles):
+    # SmolLM2's gate_up shape, 5 rows (chunks of 3 and 2), Q4_1 weights (4-bit codes) or free ones (8-bit codes)
+    w = cpu_int8.quantize(q4_grid(3072, 576, 7) if nibbles else torch.randn(3072, 576) * 0.05)
+    x = torch.randn(5, 576)
+    wide, narrow = cpu_int8.Matrix(w, isa="avx512-simde"), cpu_int8.Matrix(w, isa="avx2")
+    assert wide.nibbles == narrow.nibbles == nibbles
+    a, b = wide(x), narrow(x)
+    assert not torch.equal(a, b)  # another summation order: these are two kernels, not one library twice
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6 * float(b.abs().max()))
+
+
+def test_the_build_is_chosen_from_the_cpu_and_decodelab_cpu_isa_narrows_it(monkeypatch):
+    wide = cpu_int8.KERNELS["avx512"]
+    assert cpu_int8.default_isa() == ("avx512" if wide.unavailable() is None else "avx2")
+    if wide.unavailable() is not None:
+        assert "avx512" in wide.unavailable() or "generic" in wide.unavailable()  # names what the CPU lacks
+        if cpu_int8.unavailable("avx512-simde") is None:  # as a CPU with AVX-512 would: its build where it runs
+            monkeypatch.setitem(cpu_int8.KERNELS, "avx512", cpu_int8.KERNELS["avx512-simde"])
+            assert cpu_int8.default_isa() == "avx512"
+    monkeypatch.setenv("DECODELAB_CPU_ISA", "avx2")
+    assert cpu_int8.default_isa() == "avx2" and cpu_int8.Matrix(cpu_int8.quantize(torch.ones(4, 32))).isa == "avx2"
+    monkeypatch.setenv("DECODELAB_CPU_ISA", "avx3")
+    with pytest.raises(ValueError, match="DECODELAB_CPU_ISA"):
+        cpu_int8.default_isa()

@@ -5,7 +5,7 @@ ctypes and PyTorch bookkeeping around its ~10 C calls per layer. `FusedDecode` h
 C call that makes the same calls into the same libraries, so the numbers are bit for bit the module path's
 (tested). It runs a step when:
 - the model is on the CPU in fp32 with every decoder matmul on our int8 kernel for generated rows (`--quantization
-  int8`, where kernels/cpu_int8.c builds; `RowSplitWeight` or `Int8Weight("avx2")`);
+  int8`, where kernels/cpu_int8.c builds; `RowSplitWeight` or `Int8Weight("avx2" or "avx512")`), all of one build;
 - the C layer ops and decode attention are enabled (not DECODELAB_CPU_KERNELS=torch) and take the model's shapes,
   over an fp32 KV cache;
 - every row of the step is a generated token laid out as a decode row (`AttentionMetadata.num_generated` and
@@ -44,7 +44,7 @@ class FusedDecode:
                                        attn.head_dim, model.config.intermediate_size, attn.k_cache.shape[1],
                                        first.input_layernorm.eps, attn.attn.scale)
         self.structs = (cpu_decoder.Layer * len(layers))(*layers)
-        self.ops = cpu_decoder.ops()
+        self.ops = cpu_decoder.ops(matrices[0][0].kernel)
         self._keep = matrices  # the Matrix objects whose memory the structs point into
 
     @classmethod
@@ -61,6 +61,9 @@ class FusedDecode:
             caches = (attn.k_cache, attn.v_cache)
             if any(m is None for m in ms) or any(c is None for c in caches):
                 return None
+            build = matrices[0][0].kernel if matrices else ms[0].kernel
+            if any(m.kernel is not build for m in ms):
+                return None  # one C call, one build of cpu_int8 (each packs for its own blocks)
             if not (attn.attn.torch_backend and attn.attn.k_scale is None and attn.head_dim % 2 == 0
                     and all(c.dtype == torch.float32 and c.is_cpu and c.is_contiguous() for c in caches)
                     and cpu_decode_attention.supports(torch.empty(1, attn.num_heads, attn.head_dim), attn.k_cache)):

@@ -1,11 +1,13 @@
 """INT8 linears: 8-bit weights, activations quantized at run time.
 
-Three kernels, `int8_kernel` picks one:
+Four kernels, `int8_kernel` picks one:
 
-- "avx2" (x86 CPUs with AVX2 and a C compiler: the CPU default; DECODELAB_INT8_KERNEL=avx2 insists on it):
-  our own kernel (kernels/cpu_int8.c, built on first use) for every matmul and the LM head, prompt and generated
-  rows alike. Weights are 8-bit codes in groups of 32 along K, each group with its own fp32 step and offset
-  (kernels/cpu_int8.py `GroupedInt8`, `quantize`: a group's 256 levels span its own [min, max]; a weight whose
+- "avx512" (x86 CPUs with AVX-512 F + BW and a C compiler: the CPU default there; DECODELAB_INT8_KERNEL=avx512
+  insists on it) and "avx2" (x86 CPUs with AVX2: the default elsewhere, and DECODELAB_CPU_ISA=avx2 or
+  DECODELAB_INT8_KERNEL=avx2 on any): the two builds of our own kernel (kernels/cpu_int8_avx512.c and
+  kernels/cpu_int8.c, the same format and integers, built on first use) for every matmul and the LM head, prompt
+  and generated rows alike. Weights are 8-bit codes in groups of 32 along K, each group with its own fp32 step and
+  offset (kernels/cpu_int8.py `GroupedInt8`, `quantize`: a group's 256 levels span its own [min, max]; a weight whose
   codes are all on a 16-level grid, as a Q4_1 GGUF's are, is held as 4-bit codes: `Matrix.nibbles`); activations are
   quantized per row to int16 inside the call; products and a group's sums are integers (vpmaddwd), nothing is
   calibrated, and each row's result is independent of the others of its step. Measured on SmolLM2-135M
@@ -58,8 +60,9 @@ import torch.nn.functional as F
 from kernels import cpu_int8, cpu_layer_ops
 from kernels._cbuild import generic_cpu
 
-KERNELS = ("avx2", "fbgemm", "dequant")
-QMAX = {"avx2": 127, "fbgemm": 63, "dequant": 127}
+KERNELS = ("avx512", "avx2", "fbgemm", "dequant")
+OURS = ("avx512", "avx2")  # the builds of kernels/cpu_int8 (cpu_int8.KERNELS' names)
+QMAX = {"avx512": 127, "avx2": 127, "fbgemm": 63, "dequant": 127}
 
 # Seen once at load to find each matmul's activation ranges (SmoothQuant calibration): prose, code, numbers.
 CALIBRATION_TEXT = (
@@ -125,10 +128,10 @@ def _fbgemm_error() -> str | None:
 
 
 def int8_kernel(device: torch.device) -> str:
-    """Which kernel int8 linears use on `device`: on a CPU "avx2" where our kernel builds, else "fbgemm" where
-    that runs, else "dequant"; "dequant" on other devices. DECODELAB_INT8_KERNEL forces one ("fbgemm": the
-    faster-prefilling mix with 8-bit activations that was the default before the grouped weights; tests, A/B
-    runs)."""
+    """Which kernel int8 linears use on `device`: on a CPU our kernel where it builds (cpu_int8.default_isa():
+    "avx512" or "avx2"), else "fbgemm" where that runs, else "dequant"; "dequant" on other devices.
+    DECODELAB_INT8_KERNEL forces one ("fbgemm": the faster-prefilling mix with 8-bit activations that was the
+    default before the grouped weights; tests, A/B runs)."""
     forced = os.environ.get("DECODELAB_INT8_KERNEL", "")
     if forced and forced not in KERNELS:
         raise ValueError(f"DECODELAB_INT8_KERNEL: expected one of {', '.join(KERNELS)}, got {forced!r}")
@@ -138,10 +141,12 @@ def int8_kernel(device: torch.device) -> str:
         if (why := _fbgemm_error()) is not None:
             raise ValueError(f"DECODELAB_INT8_KERNEL: fbgemm does not run on this CPU ({why})")
         return "fbgemm"
-    if (why := cpu_int8.unavailable()) is None:
-        return "avx2"
-    if forced == "avx2":
-        raise ValueError(f"DECODELAB_INT8_KERNEL: avx2 does not run here ({why})")
+    if forced in OURS:
+        if (why := cpu_int8.unavailable(forced)) is not None:
+            raise ValueError(f"DECODELAB_INT8_KERNEL: {forced} does not run here ({why})")
+        return forced
+    if cpu_int8.unavailable() is None:
+        return cpu_int8.default_isa()
     return "fbgemm" if not generic_cpu() and _fbgemm_error() is None else "dequant"  # fbgemm is x86-only
 
 
@@ -179,7 +184,8 @@ def projection_kernels(kernel: str) -> dict[str, str]:
     if kernel != "fbgemm":
         return dict.fromkeys(PROJECTIONS, kernel)
     if cpu_int8.unavailable() is None:
-        return {"qkv": "avx2|fbgemm", "o": "avx2", "gate_up": "avx2|fbgemm", "down": "avx2", "head": "avx2"}
+        ours = cpu_int8.default_isa()
+        return {"qkv": "avx2|fbgemm", "o": ours, "gate_up": "avx2|fbgemm", "down": ours, "head": ours}
     return {"qkv": "fbgemm", "o": "fbgemm", "gate_up": "fbgemm", "down": "fp16", "head": "fp16"}
 
 
@@ -204,7 +210,7 @@ class RowSplitWeight:
     twice (int8 both times)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        self.generated = Int8Weight(weight, bias, "avx2")
+        self.generated = Int8Weight(weight, bias, cpu_int8.default_isa())
         self.prompt = Int8Weight(weight, bias, "fbgemm")
         self.kernel, self.scale, self.out_features = "avx2|fbgemm", self.generated.scale, weight.shape[0]
         self.group_bytes = self.generated.group_bytes
@@ -232,10 +238,10 @@ class Int8Weight:
             q, self.scale = quantize_weight(weight, QMAX[kernel])
             self.packed = _fbgemm_pack(q, self.scale)
             return
-        grouped = cpu_int8.quantize(weight)  # avx2, dequant: 8-bit codes in groups of 32 (GroupedInt8)
+        grouped = cpu_int8.quantize(weight)  # ours, dequant: 8-bit codes in groups of 32 (GroupedInt8)
         self.scale, self.group_bytes = grouped.d, grouped.m.nbytes  # a step and an offset per group
-        if kernel == "avx2":
-            self.matrix = cpu_int8.Matrix(grouped, self.bias)  # holds the packed copy only
+        if kernel in OURS:
+            self.matrix = cpu_int8.Matrix(grouped, self.bias, kernel)  # holds the packed copy only
         else:
             self.grouped = grouped
 

@@ -32,6 +32,7 @@ from torch import nn
 
 from engine_service.engine.models.int8_linear import HeadWeight, Int8Weight, RowSplitWeight, quantized
 from engine_service.engine.utils import cdiv
+from kernels import cpu_int8
 
 _PACKABLE = (torch.float32, torch.bfloat16)  # fp16 packing needs AVX512-FP16 / AVX-NE-CONVERT
 
@@ -41,14 +42,9 @@ def packing_enabled(device: torch.device, dtype: torch.dtype) -> bool:
             and os.environ.get("DECODELAB_CPU_LINEAR", "onednn") != "dense")
 
 
-_ISAS = ("avx2", "avx512", "generic")  # DECODELAB_CPU_ISA values; unset or empty: what the CPU has
-
-
 def bf16_packing_unavailable() -> str | None:
     """None if oneDNN can run bf16 linears on this CPU, else why not (the instructions it lacks)."""
-    isa = os.environ.get("DECODELAB_CPU_ISA", "").lower()
-    if isa and isa not in _ISAS:
-        raise ValueError(f"DECODELAB_CPU_ISA: expected one of {', '.join(_ISAS)}, got {isa!r}")
+    isa = cpu_int8.cpu_isa()
     if isa in ("avx2", "generic"):
         return f"DECODELAB_CPU_ISA={isa}: treated as lacking avx512bw, avx512vl, avx512dq and avx_ne_convert"
     return _onednn_bf16_error()  # avx512 cannot add instructions the CPU lacks

@@ -1,0 +1,117 @@
+/* What both builds of the grouped int8 matmul share (cpu_int8.c, AVX2; cpu_int8_avx512.c, AVX-512): the
+   activations' int16 quantization (AVX2, which every AVX-512 CPU has), the offsets' term and the final lane sums.
+   kernels/_cbuild.py hashes this header with each source. */
+#pragma once
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include "cpu_simd.h"
+
+/* row i of x to int16 on the grid max|x_i| / 32767, zero-padded to Kp; xs[i] the step (NaN for a row with a NaN
+   or inf, so its outputs are NaN as fp32 sums would be); xsum[i][j] the sum of its j-th 32 (exact in fp32, zero
+   from G up to Gp) */
+static void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t Kp, int64_t Gp, int16_t* xq,
+                          float* xs, float* xsum) {
+    const float xmax = 32767.0f;
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int64_t i = 0; i < M; i++) {
+        const float* r = x + i * ldx;
+        int16_t* o = xq + i * Kp;
+        /* bad: the sum of every x * 0, NaN iff some x is NaN or inf (max_ps would drop a NaN) */
+        __m256 m8 = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+        int64_t k = 0;
+        for (; k + 8 <= K; k += 8) {
+            __m256 v = _mm256_loadu_ps(r + k);
+            m8 = _mm256_max_ps(m8, _mm256_and_ps(v, absmask));
+            bad = _mm256_add_ps(bad, _mm256_mul_ps(v, _mm256_setzero_ps()));
+        }
+        float a = 0.0f, b = hsum(bad);
+        float lanes[8];
+        _mm256_storeu_ps(lanes, m8);
+        for (int t = 0; t < 8; t++) a = lanes[t] > a ? lanes[t] : a;
+        for (; k < K; k++) { a = fabsf(r[k]) > a ? fabsf(r[k]) : a; b += r[k] * 0.0f; }
+        int finite = b == 0.0f;
+        float step = a > 0.0f ? a / xmax : 1.0f, inv = finite ? 1.0f / step : 0.0f;
+        xs[i] = finite ? step : NAN;
+        const __m256 vinv = _mm256_set1_ps(inv);
+        k = 0;
+        for (; k + 16 <= K; k += 16) {
+            __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(r + k), vinv));
+            __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(r + k + 8), vinv));
+            /* packs works within 128-bit lanes: reorder its 64-bit quarters back to k order */
+            __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8);
+            _mm256_storeu_si256((__m256i*)(o + k), p);
+        }
+        for (; k < K; k++) o[k] = (int16_t)lrintf(r[k] * inv);
+        for (; k < Kp; k++) o[k] = 0;
+        for (int64_t j = 0; j < Gp; j++) {
+            int32_t t = 0;
+            for (int64_t e = 0; j * 32 < Kp && e < 32; e++) t += o[j * 32 + e];
+            xsum[i * Gp + j] = (float)t;
+        }
+    }
+}
+
+/* f += the offsets' term, sum over groups of offset * the row's group sum (8 groups a step, in order) */
+static inline __m256 offsets(__m256 f, const float* xsum, const float* m, int64_t Gp) {
+    for (int64_t j = 0; j < Gp; j += 8) f = _mm256_fmadd_ps(_mm256_loadu_ps(xsum + j), _mm256_loadu_ps(m + j), f);
+    return f;
+}
+
+/* the lane sums of 4 accumulators [s0 s1 s2 s3], each in the same fixed order */
+static inline __m128 reduce4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* a chunk's r rows x nb outputs of block sums s to y (ldy apart by row): times each row's step xs, plus the bias */
+static inline void store(float s[4][4], int64_t r, int64_t nb, const float* xs, const float* bias, float* y,
+                         int64_t ldy) {
+    for (int64_t i = 0; i < r; i++)
+        for (int64_t j = 0; j < nb; j++) {
+            float v = s[i][j] * xs[i];
+            y[i * ldy + j] = bias ? v + bias[j] : v;
+        }
+}
+
+/* every row of xq (M rows, Kp apart; steps xs, group sums xsum) times one group of 4 packed output rows g (nb <= 4
+   of them real), written to y (ldy apart by row) with the bias: each build's own blocks */
+typedef void (*group_fn)(const int16_t* xq, const float* xsum, const float* xs, int64_t M, int64_t Kp, int64_t Gp,
+                         const uint8_t* g, const float* d, const float* m, int64_t ahead, const float* bias, float* y,
+                         int64_t ldy, int64_t nb, int nib);
+
+/* wp: u packed, (N + 3) / 4 groups of 4 * Kp bytes (nib: 4-bit codes, 2 * Kp bytes), Kp = K rounded up to 32, laid
+   out as the build's blocks read them (kernels/cpu_int8.py `pack`, `pack4`); dp:
+   the steps, [(N + 3) / 4][Kp / 32][4] fp32; mp: the offsets, [(N + 3) / 4 * 4][Gp] fp32, Gp = Kp / 32 rounded up to
+   8 (zeros past it) (kernels/cpu_int8.py `Matrix`). Returns 0, or -1 when the int16 copy of x could not be
+   allocated. */
+static int int8_linear(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* wp, const float* dp,
+                       const float* mp, const float* bias, float* y, int64_t N, int nib, group_fn group) {
+    int64_t Kp = (K + 31) / 32 * 32, Gp = (Kp / 32 + 7) / 8 * 8;
+    /* 64-byte aligned (rows are 32 * Kp / 16 bytes long): an activation load never straddles two cache lines, which
+       cost ~15% at 4 rows with malloc's 16-byte alignment */
+    int16_t* xq = aligned_alloc(64, (size_t)(M * Kp * 2 + 63) / 64 * 64);
+    float* xs = malloc((size_t)M * (1 + Gp) * sizeof(float));
+    if (!xq || !xs) { free(xq); free(xs); return -1; }
+    float* xsum = xs + M;
+    quantize_rows(x, ldx, M, K, Kp, Gp, xq, xs, xsum);
+    /* with 3+ rows a group is read twice: prefetch the next group (at least 1 KiB on) so the memory stream goes
+       on during the second pass; 1-2 rows read it once, 1 KiB ahead */
+    int64_t group_bytes = (nib ? 2 : 4) * Kp, groups = (N + 3) / 4, ahead = M > 2 && group_bytes > 1024 ? group_bytes : 1024;
+    #pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < groups; t++) {
+        int64_t n0 = t * 4, nb = N - n0 < 4 ? N - n0 : 4;
+        group(xq, xsum, xs, M, Kp, Gp, wp + t * group_bytes, dp + t * Kp / 8, mp + n0 * Gp, ahead, bias ? bias + n0 : 0,
+              y + n0, N, nb, nib);
+    }
+    free(xq); free(xs);
+    return 0;
+}
+
+/* the library's one function, `dl_int8_linear` (int8_linear's arguments), over a build's own `group` */
+#define DL_INT8_LINEAR(group) \
+    int dl_int8_linear(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* wp, const float* dp, \
+                       const float* mp, const float* bias, float* y, int64_t N, int nib) { \
+        return int8_linear(x, ldx, M, K, wp, dp, mp, bias, y, N, nib, group); \
+    }

@@ -1,0 +1,118 @@
+/* cpu_int8.c's matmul (grouped 8-bit or 4-bit weights x int16-quantized activations, the same format and the same
+   integers) for x86 CPUs with AVX-512 F + BW: Intel Xeons since Skylake-SP, AMD Zen 4. kernels/cpu_int8.py picks
+   it where the CPU has them (DECODELAB_CPU_ISA=avx2 forces the AVX2 build instead).
+
+   A zmm register holds a whole group of 32 activations as int16, so per group and output one vpmaddwd of 32 pairs
+   gives 16 int32 lanes (at most 2 * 32767 * 255 each), one conversion and one FMA times the group's step fold them
+   into 16 fp32 lanes: 3 instructions per group, row and output where the AVX2 build needs 5 (two 16-wide k-steps
+   and their sum). VNNI's vpdpwssd would fuse that multiply with an add into int32 accumulators, but nothing here
+   accumulates in int32 across groups (each group has its own fp32 step), so it would be this vpmaddwd with a zero
+   addend; vpdpbusd multiplies 8-bit activations, the loss the int16 grid exists to avoid. The 32 zmm registers hold
+   a block of 4 rows x the 4 outputs of a packed group (16 accumulators), so a group is read once for up to 4 rows.
+
+   The weights come packed by kernels/cpu_int8.py `pack(u, row_bytes=32)`: groups of 4 output rows, each row's 32
+   codes of a weight group side by side ([ceil(N / 4), Kp / 32, 4, 32], 128 bytes a k-group as in the AVX2 layout);
+   4-bit codes in `pack4`'s layout, which both builds share (16 bytes a row: low nibbles k 0-15, high k 16-31).
+   Everything else (activation quantization, offsets, the lane sums' fixed order, OpenMP over groups) is
+   kernels/cpu_int8.h, shared with cpu_int8.c. As there, every output goes through the same operations whichever
+   block computes it: a row gives the same bits alone or in any batch (not the AVX2 build's bits: its lanes add the
+   products in another order).
+
+   With -DDL_SIMDE (and without -mavx512*) the same source builds against SIMDe's portable versions of these
+   intrinsics (Debian's libsimde-dev): how tests check this kernel's logic on CPUs without AVX-512. */
+#ifdef DL_SIMDE
+#define SIMDE_ENABLE_NATIVE_ALIASES
+#include <simde/x86/avx512.h>
+#undef _mm512_madd_epi16  /* SIMDe 0.7.4 (Debian 12) aliases it with the masked form's four arguments */
+#define _mm512_madd_epi16(a, b) simde_mm512_madd_epi16(a, b)
+/* ... and has no _mm512_cvtepu8_epi16 or _mm512_cvtepi32_ps: the same operations on two 256-bit halves */
+static inline simde__m512i cvtepu8_epi16(simde__m256i v) {
+    return simde_mm512_inserti64x4(simde_mm512_castsi256_si512(simde_mm256_cvtepu8_epi16(simde_mm256_castsi256_si128(v))),
+                                   simde_mm256_cvtepu8_epi16(simde_mm256_extracti128_si256(v, 1)), 1);
+}
+static inline simde__m512 cvtepi32_ps(simde__m512i v) {
+    return simde_mm512_insertf32x8(simde_mm512_castps256_ps512(simde_mm256_cvtepi32_ps(simde_mm512_castsi512_si256(v))),
+                                   simde_mm256_cvtepi32_ps(simde_mm512_extracti64x4_epi64(v, 1)), 1);
+}
+#define _mm512_cvtepu8_epi16 cvtepu8_epi16
+#define _mm512_cvtepi32_ps cvtepi32_ps
+#endif
+#include <immintrin.h>
+#include "cpu_simd.h"
+#include "cpu_int8.h"
+#include <stdint.h>
+
+/* a row's 32 codes of a weight group as int16: 8-bit codes (32 bytes), or 4-bit ones (16 bytes, byte j = u[j] |
+   u[16 + j] << 4: zero-extended, the low nibbles are k 0-15 and a shift gives k 16-31) */
+static inline __m512i w8(const uint8_t* p) { return _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)p)); }
+static inline __m512i w4(const uint8_t* p) {
+    __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p));
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, _mm256_set1_epi16(0x0F))),
+                              _mm256_srli_epi16(v, 4), 1);
+}
+
+#define BLOCK static inline __attribute__((always_inline)) void
+
+/* R rows of xq (Kp apart; their group sums Gp apart in xsum) times packed group g's 4 outputs, over Kp / 32 weight
+   groups (128 bytes of 8-bit codes, 64 of 4-bit ones); d: the 4 outputs' steps, 4 a group; m: the first output's
+   offsets, Gp apart. s[r][o]: row r, output o. R is a constant in each caller, so the loops unroll and the
+   accumulators stay in registers (R * 4 + R + 2 of the 32). */
+BLOCK block(const int R, const int16_t* x, const float* xsum, int64_t Kp, int64_t Gp, const uint8_t* g,
+            const float* d, const float* m, int64_t ahead, float s[4][4], const int nib) {
+    __m512 acc[4][4];
+    for (int r = 0; r < R; r++)
+        for (int o = 0; o < 4; o++) acc[r][o] = _mm512_setzero_ps();
+    const int64_t stride = nib ? 64 : 128, row_bytes = nib ? 16 : 32;
+    for (int64_t k = 0; k < Kp; k += 32, g += stride, d += 4) {
+        _mm_prefetch((const char*)g + ahead, _MM_HINT_T0);
+        if (!nib) _mm_prefetch((const char*)g + 64 + ahead, _MM_HINT_T0);
+        __m512i xr[4];
+        for (int r = 0; r < R; r++) xr[r] = _mm512_loadu_si512((const void*)(x + r * Kp + k));
+        for (int o = 0; o < 4; o++) {
+            __m512i w = nib ? w4(g + o * row_bytes) : w8(g + o * row_bytes);
+            __m512 step = _mm512_set1_ps(d[o]);
+            for (int r = 0; r < R; r++)
+                acc[r][o] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(xr[r], w)), step, acc[r][o]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        __m256 h[4];
+        for (int o = 0; o < 4; o++) {  /* 16 lanes to 8 (low half + high half), then cpu_int8.h's order */
+            h[o] = _mm256_add_ps(_mm512_castps512_ps256(acc[r][o]),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][o]), 1)));
+            h[o] = offsets(h[o], xsum + r * Gp, m + o * Gp, Gp);
+        }
+        _mm_storeu_ps(s[r], reduce4(h[0], h[1], h[2], h[3]));
+    }
+}
+
+typedef void (*block_fn)(const int16_t*, const float*, int64_t, int64_t, const uint8_t*, const float*, const float*,
+                         int64_t, float[4][4]);
+/* each row count compiled for 8-bit (…8) and 4-bit (…4) codes */
+#define ROWS(R) \
+    static void block_##R##8(const int16_t* x, const float* xsum, int64_t Kp, int64_t Gp, const uint8_t* g, \
+                             const float* d, const float* m, int64_t ahead, float s[4][4]) { \
+        block(R, x, xsum, Kp, Gp, g, d, m, ahead, s, 0); } \
+    static void block_##R##4(const int16_t* x, const float* xsum, int64_t Kp, int64_t Gp, const uint8_t* g, \
+                             const float* d, const float* m, int64_t ahead, float s[4][4]) { \
+        block(R, x, xsum, Kp, Gp, g, d, m, ahead, s, 1); }
+ROWS(1) ROWS(2) ROWS(3) ROWS(4)
+
+/* every row of xq times one group, in even chunks of at most 4 rows (8 -> 4 + 4, 7 -> 4 + 3), each one block */
+static void group(const int16_t* xq, const float* xsum, const float* xs, int64_t M, int64_t Kp, int64_t Gp,
+                  const uint8_t* g, const float* d, const float* m, int64_t ahead, const float* bias, float* y,
+                  int64_t ldy, int64_t nb, int nib) {
+    static const block_fn by_rows8[5] = {0, block_18, block_28, block_38, block_48};
+    static const block_fn by_rows4[5] = {0, block_14, block_24, block_34, block_44};
+    const block_fn* by_rows = nib ? by_rows4 : by_rows8;
+    int64_t chunks = (M + 3) / 4, i0 = 0;
+    for (int64_t c = 0; c < chunks; c++) {
+        int64_t r = (M - i0 + (chunks - c) - 1) / (chunks - c);
+        float s[4][4];
+        by_rows[r](xq + i0 * Kp, xsum + i0 * Gp, Kp, Gp, g, d, m, ahead, s);
+        store(s, r, nb, xs + i0, bias, y + i0 * ldy, ldy);
+        i0 += r;
+    }
+}
+
+DL_INT8_LINEAR(group)
