@@ -1,11 +1,11 @@
 """Build and load the C kernels of this package (cpu_*.c) with the system compiler, once per source version.
 
-Each source is compiled with `$CC` (else `cc`), -O3 -mavx2 -mfma -fopenmp (and a build's own flags: -mavx512f
+Each source is compiled with `$CC` (else `cc`), -O3 -mavx2 -mfma -mf16c -fopenmp (and a build's own flags: -mavx512f
 -mavx512bw for cpu_int8_avx512.c), into `$DECODELAB_CACHE_DIR/kernels` (default ~/.cache/decodelab/kernels) under a
 name that carries a hash of the source, the headers beside it (cpu_simd.h, cpu_int8.h) and the flags, built aside
 and renamed (processes may race). `build()` says why not instead when the CPU lacks an instruction set the build
-needs (AVX2 and FMA for all), there is no compiler, or the build fails; callers then run their PyTorch path (or a
-narrower build).
+needs (AVX2, FMA and F16C for all: every AVX2 CPU has the other two), there is no compiler, or the build fails;
+callers then run their PyTorch path (or a narrower build).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 
 
 def cpu_flags() -> set[str]:
@@ -54,11 +54,11 @@ def missing(needs: tuple[str, ...]) -> list[str]:
 
 def build(name: str, flags: tuple[str, ...] = (), needs: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str]:
     """kernels/`name`.c built (unless already in the cache) with FLAGS + `flags` and loaded: (the library, "") or
-    (None, why not). `needs`: the CPU flags (/proc/cpuinfo's names) the build runs on, beyond AVX2 and FMA."""
+    (None, why not). `needs`: the CPU flags (/proc/cpuinfo's names) the build runs on, beyond AVX2, FMA and F16C."""
     source = Path(__file__).with_name(f"{name}.c")
     if generic_cpu():
         return None, "DECODELAB_CPU_ISA=generic: treated as a CPU without AVX2 (an arm64 one, say)"
-    if lacking := missing(("avx2", "fma", *needs)):
+    if lacking := missing(("avx2", "fma", "f16c", *needs)):
         return None, f"this CPU lacks {', '.join(lacking)} (or has no /proc/cpuinfo to say so)"
     cc = shutil.which(os.environ.get("CC") or "cc")
     if cc is None:

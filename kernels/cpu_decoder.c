@@ -9,8 +9,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-typedef int (*int8_linear_fn)(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* wp, const float* dp,
-                              const float* mp, const float* bias, float* y, int64_t N, int nib);
+typedef int (*int8_linear_fn)(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* wp, const void* dp,
+                              const void* mp, const float* bias, float* y, int64_t N, int fmt);
 typedef void (*rms_norm_fn)(const float* x, int64_t ldx, const float* h, float* s, const float* w, float* y,
                             int64_t M, int64_t N, float eps);
 typedef void (*rope_fn)(float* x, int64_t ldx, int64_t M, int64_t heads, int64_t D, const float* cos,
@@ -33,7 +33,7 @@ typedef struct {
 } dl_ops;
 
 /* one int8 matmul as cpu_int8.Matrix holds it */
-typedef struct { const uint8_t* packed; const float* steps; const float* offsets; const float* bias; int64_t nib; } dl_matrix;
+typedef struct { const uint8_t* packed; const void* steps; const void* offsets; const float* bias; int64_t fmt; } dl_matrix;
 
 typedef struct {
     const float* input_norm;
@@ -62,7 +62,7 @@ int dl_decode_layers(const dl_ops* ops, const dl_shape* s, const dl_layer* layer
     float *gu = sum + M * H, *act = gu + M * 2 * I;
     float* down = o;  /* o is dead once the residual add has read it */
     int err = 0;
-#define LINEAR(x, ldx, K, m, y, N) ops->int8_linear(x, ldx, M, K, (m).packed, (m).steps, (m).offsets, (m).bias, y, N, (int)(m).nib)
+#define LINEAR(x, ldx, K, m, y, N) ops->int8_linear(x, ldx, M, K, (m).packed, (m).steps, (m).offsets, (m).bias, y, N, (int)(m).fmt)
     for (int64_t l = 0; l < s->layers && !err; l++) {
         const dl_layer* L = layers + l;
         ops->rms_norm(x, H, 0, x, L->input_norm, h, M, H, s->eps);

@@ -20,7 +20,7 @@ class Ops(ctypes.Structure):
 
 
 class MatrixPtrs(ctypes.Structure):
-    _fields_ = [("packed", _p), ("steps", _p), ("offsets", _p), ("bias", _p), ("nib", ctypes.c_int64)]
+    _fields_ = [("packed", _p), ("steps", _p), ("offsets", _p), ("bias", _p), ("fmt", ctypes.c_int64)]
 
 
 class Layer(ctypes.Structure):

@@ -56,31 +56,38 @@ static inline __m256i gsum4(__m256i xa, __m256i xb, const uint8_t* w) {
    (a move per multiply-add) or spills one to the stack. */
 #define PIN4(a, b, c, d) __asm__("" : "+x"(a), "+x"(b), "+x"(c), "+x"(d))
 #define PIN2(a, b) __asm__("" : "+x"(a), "+x"(b))
+/* a group's 4 steps (cpu_int8.h has STEPS) are DSTEP bytes apart; output row i's offsets start at MROW(i) */
+#define DSTEP (half ? 8 : 16)
+#define MROW(i) (m + (i) * Gp * (half ? 2 : 4))
 
 /* The blocks: rows of xq (Kp apart; their group sums Gp apart in xsum) times a packed group g, over Kp / 32 weight
    groups of two 64-byte k-steps. d: the steps of the 4 rows of g, 4 a group (the x2 blocks read the first two);
    m: the offsets of the first output row, Gp apart. Each is written out with named accumulators: one generic block
    over arrays (tried) spilled them and ran 4 rows ~1.4x slower. s[i][j]: row i, output j (of the 2 at g for the
    x2 blocks). Each k-step prefetches `ahead` bytes on. */
-BLOCK block_1x4(const int16_t* x, const float* xsum, int64_t Kp, int64_t Gp, const uint8_t* g, const float* d,
-                const float* m, int64_t ahead, float s[4][4], const int nib) {
+BLOCK block_1x4(const int16_t* x, const float* xsum, int64_t Kp, int64_t Gp, const uint8_t* g, const char* dp,
+                const char* m, int64_t ahead, float s[4][4], const int nib, const int half) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int64_t k = 0; k < Kp; k += 32, g += STRIDE, d += 4) {
+    for (int64_t k = 0; k < Kp; k += 32, g += STRIDE, dp += DSTEP) {
+        float ds[4];
+        const float* d = STEPS(dp, ds);
         PREFETCH(g, ahead);
         __m256i xa = xl(x + k), xb = xl(x + k + 16);
         FOLD(a0, gsum(xa, xb, g), d[0]); FOLD(a1, gsum(xa, xb, g + 16), d[1]);
         FOLD(a2, gsum(xa, xb, g + 32), d[2]); FOLD(a3, gsum(xa, xb, g + 48), d[3]);
         PIN4(a0, a1, a2, a3);
     }
-    a0 = offsets(a0, xsum, m, Gp); a1 = offsets(a1, xsum, m + Gp, Gp);
-    a2 = offsets(a2, xsum, m + 2 * Gp, Gp); a3 = offsets(a3, xsum, m + 3 * Gp, Gp);
+    a0 = offsets(a0, xsum, m, Gp, half); a1 = offsets(a1, xsum, MROW(1), Gp, half);
+    a2 = offsets(a2, xsum, MROW(2), Gp, half); a3 = offsets(a3, xsum, MROW(3), Gp, half);
     _mm_storeu_ps(s[0], reduce4(a0, a1, a2, a3));
 }
 
-BLOCK block_2x4(const int16_t* x, const float* xsum, int64_t Kp, int64_t Gp, const uint8_t* g, const float* d,
-                const float* m, int64_t ahead, float s[4][4], const int nib) {
+BLOCK block_2x4(const int16_t* x, const float* xsum, int64_t Kp, int64_t Gp, const uint8_t* g, const char* dp,
+                const char* m, int64_t ahead, float s[4][4], const int nib, const int half) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-    for (int64_t k = 0; k < Kp; k += 32, g += STRIDE, d += 4) {
+    for (int64_t k = 0; k < Kp; k += 32, g += STRIDE, dp += DSTEP) {
+        float ds[4];
+        const float* d = STEPS(dp, ds);
         PREFETCH(g, ahead);
         __m256i xa = xl(x + k), xb = xl(x + k + 16), ya = xl(x + Kp + k), yb = xl(x + Kp + k + 16);
         FOLD(a0, gsum(xa, xb, g), d[0]); FOLD(b0, gsum(ya, yb, g), d[0]);
@@ -89,18 +96,20 @@ BLOCK block_2x4(const int16_t* x, const float* xsum, int64_t Kp, int64_t Gp, con
         FOLD(a3, gsum(xa, xb, g + 48), d[3]); FOLD(b3, gsum(ya, yb, g + 48), d[3]);
         PIN4(a0, a1, a2, a3); PIN4(b0, b1, b2, b3);
     }
-    a0 = offsets(a0, xsum, m, Gp); a1 = offsets(a1, xsum, m + Gp, Gp);
-    a2 = offsets(a2, xsum, m + 2 * Gp, Gp); a3 = offsets(a3, xsum, m + 3 * Gp, Gp);
-    b0 = offsets(b0, xsum + Gp, m, Gp); b1 = offsets(b1, xsum + Gp, m + Gp, Gp);
-    b2 = offsets(b2, xsum + Gp, m + 2 * Gp, Gp); b3 = offsets(b3, xsum + Gp, m + 3 * Gp, Gp);
+    a0 = offsets(a0, xsum, m, Gp, half); a1 = offsets(a1, xsum, MROW(1), Gp, half);
+    a2 = offsets(a2, xsum, MROW(2), Gp, half); a3 = offsets(a3, xsum, MROW(3), Gp, half);
+    b0 = offsets(b0, xsum + Gp, m, Gp, half); b1 = offsets(b1, xsum + Gp, MROW(1), Gp, half);
+    b2 = offsets(b2, xsum + Gp, MROW(2), Gp, half); b3 = offsets(b3, xsum + Gp, MROW(3), Gp, half);
     _mm_storeu_ps(s[0], reduce4(a0, a1, a2, a3));
     _mm_storeu_ps(s[1], reduce4(b0, b1, b2, b3));
 }
 
-BLOCK block_3x2(const int16_t* x, const float* xsum, int64_t Kp, int64_t Gp, const uint8_t* g, const float* d,
-                const float* m, int64_t ahead, float s[4][4], const int nib) {
+BLOCK block_3x2(const int16_t* x, const float* xsum, int64_t Kp, int64_t Gp, const uint8_t* g, const char* dp,
+                const char* m, int64_t ahead, float s[4][4], const int nib, const int half) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, c0 = a0, c1 = a0;
-    for (int64_t k = 0; k < Kp; k += 32, g += STRIDE, d += 4) {
+    for (int64_t k = 0; k < Kp; k += 32, g += STRIDE, dp += DSTEP) {
+        float ds[4];
+        const float* d = STEPS(dp, ds);
         PREFETCH(g, ahead);
         __m256i xa = xl(x + k), xb = xl(x + k + 16);
         FOLD(a0, gsum(xa, xb, g), d[0]); FOLD(a1, gsum(xa, xb, g + 16), d[1]);
@@ -110,9 +119,9 @@ BLOCK block_3x2(const int16_t* x, const float* xsum, int64_t Kp, int64_t Gp, con
         FOLD(c0, gsum(xa, xb, g), d[0]); FOLD(c1, gsum(xa, xb, g + 16), d[1]);
         PIN4(a0, a1, b0, b1); PIN2(c0, c1);
     }
-    a0 = offsets(a0, xsum, m, Gp); a1 = offsets(a1, xsum, m + Gp, Gp);
-    b0 = offsets(b0, xsum + Gp, m, Gp); b1 = offsets(b1, xsum + Gp, m + Gp, Gp);
-    c0 = offsets(c0, xsum + 2 * Gp, m, Gp); c1 = offsets(c1, xsum + 2 * Gp, m + Gp, Gp);
+    a0 = offsets(a0, xsum, m, Gp, half); a1 = offsets(a1, xsum, MROW(1), Gp, half);
+    b0 = offsets(b0, xsum + Gp, m, Gp, half); b1 = offsets(b1, xsum + Gp, MROW(1), Gp, half);
+    c0 = offsets(c0, xsum + 2 * Gp, m, Gp, half); c1 = offsets(c1, xsum + 2 * Gp, MROW(1), Gp, half);
     float t[4];
     _mm_storeu_ps(s[0], reduce4(a0, a1, b0, b1));
     s[1][0] = s[0][2]; s[1][1] = s[0][3];
@@ -120,10 +129,12 @@ BLOCK block_3x2(const int16_t* x, const float* xsum, int64_t Kp, int64_t Gp, con
     s[2][0] = t[0]; s[2][1] = t[1];
 }
 
-BLOCK block_4x2(const int16_t* x, const float* xsum, int64_t Kp, int64_t Gp, const uint8_t* g, const float* d,
-                const float* m, int64_t ahead, float s[4][4], const int nib) {
+BLOCK block_4x2(const int16_t* x, const float* xsum, int64_t Kp, int64_t Gp, const uint8_t* g, const char* dp,
+                const char* m, int64_t ahead, float s[4][4], const int nib, const int half) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, c0 = a0, c1 = a0, e0 = a0, e1 = a0;
-    for (int64_t k = 0; k < Kp; k += 32, g += STRIDE, d += 4) {
+    for (int64_t k = 0; k < Kp; k += 32, g += STRIDE, dp += DSTEP) {
+        float ds[4];
+        const float* d = STEPS(dp, ds);
         PREFETCH(g, ahead);
         __m256i xa = xl(x + k), xb = xl(x + k + 16);
         FOLD(a0, gsum(xa, xb, g), d[0]); FOLD(a1, gsum(xa, xb, g + 16), d[1]);
@@ -135,10 +146,10 @@ BLOCK block_4x2(const int16_t* x, const float* xsum, int64_t Kp, int64_t Gp, con
         FOLD(e0, gsum(xa, xb, g), d[0]); FOLD(e1, gsum(xa, xb, g + 16), d[1]);
         PIN4(a0, a1, b0, b1); PIN4(c0, c1, e0, e1);
     }
-    a0 = offsets(a0, xsum, m, Gp); a1 = offsets(a1, xsum, m + Gp, Gp);
-    b0 = offsets(b0, xsum + Gp, m, Gp); b1 = offsets(b1, xsum + Gp, m + Gp, Gp);
-    c0 = offsets(c0, xsum + 2 * Gp, m, Gp); c1 = offsets(c1, xsum + 2 * Gp, m + Gp, Gp);
-    e0 = offsets(e0, xsum + 3 * Gp, m, Gp); e1 = offsets(e1, xsum + 3 * Gp, m + Gp, Gp);
+    a0 = offsets(a0, xsum, m, Gp, half); a1 = offsets(a1, xsum, MROW(1), Gp, half);
+    b0 = offsets(b0, xsum + Gp, m, Gp, half); b1 = offsets(b1, xsum + Gp, MROW(1), Gp, half);
+    c0 = offsets(c0, xsum + 2 * Gp, m, Gp, half); c1 = offsets(c1, xsum + 2 * Gp, MROW(1), Gp, half);
+    e0 = offsets(e0, xsum + 3 * Gp, m, Gp, half); e1 = offsets(e1, xsum + 3 * Gp, MROW(1), Gp, half);
     float t[4];
     _mm_storeu_ps(t, reduce4(a0, a1, b0, b1));
     s[0][0] = t[0]; s[0][1] = t[1]; s[1][0] = t[2]; s[1][1] = t[3];
@@ -146,25 +157,26 @@ BLOCK block_4x2(const int16_t* x, const float* xsum, int64_t Kp, int64_t Gp, con
     s[2][0] = t[0]; s[2][1] = t[1]; s[3][0] = t[2]; s[3][1] = t[3];
 }
 
-typedef void (*block_fn)(const int16_t*, const float*, int64_t, int64_t, const uint8_t*, const float*, const float*,
+typedef void (*block_fn)(const int16_t*, const float*, int64_t, int64_t, const uint8_t*, const char*, const char*,
                          int64_t, float[4][4]);
-/* each block compiled for 8-bit (…8) and 4-bit (…4) codes */
-#define FORMATS(name) \
-    static void name##8(const int16_t* x, const float* xsum, int64_t Kp, int64_t Gp, const uint8_t* g, const float* d, \
-                        const float* m, int64_t ahead, float s[4][4]) { name(x, xsum, Kp, Gp, g, d, m, ahead, s, 0); } \
-    static void name##4(const int16_t* x, const float* xsum, int64_t Kp, int64_t Gp, const uint8_t* g, const float* d, \
-                        const float* m, int64_t ahead, float s[4][4]) { name(x, xsum, Kp, Gp, g, d, m, ahead, s, 1); }
+/* each block compiled for each format (cpu_int8.h `FMT_*`): 8-bit or 4-bit codes, fp32 or fp16 steps and offsets */
+#define FORMAT(name, fmt) \
+    static void name##_##fmt(const int16_t* x, const float* xsum, int64_t Kp, int64_t Gp, const uint8_t* g, \
+                             const char* d, const char* m, int64_t ahead, float s[4][4]) { \
+        name(x, xsum, Kp, Gp, g, d, m, ahead, s, (fmt) & FMT_NIBBLES, ((fmt) & FMT_HALF) != 0); }
+#define FORMATS(name) FORMAT(name, 0) FORMAT(name, 1) FORMAT(name, 2) FORMAT(name, 3)
 FORMATS(block_1x4) FORMATS(block_2x4) FORMATS(block_3x2) FORMATS(block_4x2)
 
 /* every row of xq times one group (nb <= 4 real outputs at y, ldy apart by row), in even chunks of at most 4 rows
    (8 -> 4 + 4, 7 -> 4 + 3): 1-2 rows take the group's 4 outputs at once, 3-4 rows 2 at a time (the accumulators
    and operands fit in the 16 ymm registers; the second pass reads the group from L1) */
 static void group(const int16_t* xq, const float* xsum, const float* xs, int64_t M, int64_t Kp, int64_t Gp,
-                  const uint8_t* g, const float* d, const float* m, int64_t ahead, const float* bias, float* y,
-                  int64_t ldy, int64_t nb, int nib) {
-    static const block_fn by_rows8[5] = {0, block_1x48, block_2x48, block_3x28, block_4x28};
-    static const block_fn by_rows4[5] = {0, block_1x44, block_2x44, block_3x24, block_4x24};
-    const block_fn* by_rows = nib ? by_rows4 : by_rows8;
+                  const uint8_t* g, const char* d, const char* m, int64_t ahead, const float* bias, float* y,
+                  int64_t ldy, int64_t nb, int fmt) {
+#define BY_ROWS(f) {0, block_1x4_##f, block_2x4_##f, block_3x2_##f, block_4x2_##f}
+    static const block_fn by_fmt[4][5] = {BY_ROWS(0), BY_ROWS(1), BY_ROWS(2), BY_ROWS(3)};
+    const block_fn* by_rows = by_fmt[fmt];
+    const int64_t esz = fmt & FMT_HALF ? 2 : 4;  /* bytes of a step or an offset */
     int64_t chunks = (M + 3) / 4, i0 = 0;
     for (int64_t c = 0; c < chunks; c++) {
         int64_t r = (M - i0 + (chunks - c) - 1) / (chunks - c);
@@ -173,7 +185,7 @@ static void group(const int16_t* xq, const float* xsum, const float* xs, int64_t
         float s[4][4], h[4][4];
         by_rows[r](xr, sr, Kp, Gp, g, d, m, ahead, s);
         if (r > 2) {
-            by_rows[r](xr, sr, Kp, Gp, g + 32, d + 2, m + 2 * Gp, ahead, h);
+            by_rows[r](xr, sr, Kp, Gp, g + 32, d + 2 * esz, m + 2 * Gp * esz, ahead, h);
             for (int64_t i = 0; i < r; i++) { s[i][2] = h[i][0]; s[i][3] = h[i][1]; }
         }
         store(s, r, nb, xs + i0, bias, y + i0 * ldy, ldy);

@@ -53,11 +53,26 @@ static void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int
     }
 }
 
+/* A matrix's format (kernels/cpu_int8.py `Matrix.fmt`): FMT_NIBBLES, 4-bit codes (`pack4`) instead of 8-bit ones;
+   FMT_HALF, its steps and offsets in fp16 instead of fp32 (where that rounding changes none of them: a GGUF's
+   Q4_1 and Q8_0 scales are fp16 to begin with), 4 bytes fewer per 32 weights. */
+#define FMT_NIBBLES 1
+#define FMT_HALF 2
+
+/* 8 offsets from m (fp32, or fp16 with half) */
+static inline __m256 load8(const char* m, int half) {
+    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)m)) : _mm256_loadu_ps((const float*)m);
+}
+
 /* f += the offsets' term, sum over groups of offset * the row's group sum (8 groups a step, in order) */
-static inline __m256 offsets(__m256 f, const float* xsum, const float* m, int64_t Gp) {
-    for (int64_t j = 0; j < Gp; j += 8) f = _mm256_fmadd_ps(_mm256_loadu_ps(xsum + j), _mm256_loadu_ps(m + j), f);
+static inline __m256 offsets(__m256 f, const float* xsum, const char* m, int64_t Gp, int half) {
+    for (int64_t j = 0; j < Gp; j += 8) f = _mm256_fmadd_ps(_mm256_loadu_ps(xsum + j), load8(m + j * (half ? 2 : 4), half), f);
     return f;
 }
+
+/* a group's 4 steps as fp32: read in place, or (half) converted from fp16 into ds[4] */
+#define STEPS(p, ds) (half ? (_mm_storeu_ps(ds, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(p)))), (const float*)(ds)) \
+                           : (const float*)(p))
 
 /* the lane sums of 4 accumulators [s0 s1 s2 s3], each in the same fixed order */
 static inline __m128 reduce4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
@@ -78,16 +93,16 @@ static inline void store(float s[4][4], int64_t r, int64_t nb, const float* xs, 
 /* every row of xq (M rows, Kp apart; steps xs, group sums xsum) times one group of 4 packed output rows g (nb <= 4
    of them real), written to y (ldy apart by row) with the bias: each build's own blocks */
 typedef void (*group_fn)(const int16_t* xq, const float* xsum, const float* xs, int64_t M, int64_t Kp, int64_t Gp,
-                         const uint8_t* g, const float* d, const float* m, int64_t ahead, const float* bias, float* y,
-                         int64_t ldy, int64_t nb, int nib);
+                         const uint8_t* g, const char* d, const char* m, int64_t ahead, const float* bias, float* y,
+                         int64_t ldy, int64_t nb, int fmt);
 
-/* wp: u packed, (N + 3) / 4 groups of 4 * Kp bytes (nib: 4-bit codes, 2 * Kp bytes), Kp = K rounded up to 32, laid
-   out as the build's blocks read them (kernels/cpu_int8.py `pack`, `pack4`); dp:
-   the steps, [(N + 3) / 4][Kp / 32][4] fp32; mp: the offsets, [(N + 3) / 4 * 4][Gp] fp32, Gp = Kp / 32 rounded up to
-   8 (zeros past it) (kernels/cpu_int8.py `Matrix`). Returns 0, or -1 when the int16 copy of x could not be
-   allocated. */
-static int int8_linear(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* wp, const float* dp,
-                       const float* mp, const float* bias, float* y, int64_t N, int nib, group_fn group) {
+/* wp: u packed, (N + 3) / 4 groups of 4 * Kp bytes (FMT_NIBBLES: 4-bit codes, 2 * Kp bytes), Kp = K rounded up to
+   32, laid out as the build's blocks read them (kernels/cpu_int8.py `pack`, `pack4`); dp: the steps,
+   [(N + 3) / 4][Kp / 32][4]; mp: the offsets, [(N + 3) / 4 * 4][Gp], Gp = Kp / 32 rounded up to 8 (zeros past it);
+   both fp32, or fp16 with FMT_HALF (kernels/cpu_int8.py `Matrix`). Returns 0, or -1 when the int16 copy of x could
+   not be allocated. */
+static int int8_linear(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* wp, const void* dp,
+                       const void* mp, const float* bias, float* y, int64_t N, int fmt, group_fn group) {
     int64_t Kp = (K + 31) / 32 * 32, Gp = (Kp / 32 + 7) / 8 * 8;
     /* 64-byte aligned (rows are 32 * Kp / 16 bytes long): an activation load never straddles two cache lines, which
        cost ~15% at 4 rows with malloc's 16-byte alignment */
@@ -98,12 +113,13 @@ static int int8_linear(const float* x, int64_t ldx, int64_t M, int64_t K, const 
     quantize_rows(x, ldx, M, K, Kp, Gp, xq, xs, xsum);
     /* with 3+ rows a group is read twice: prefetch the next group (at least 1 KiB on) so the memory stream goes
        on during the second pass; 1-2 rows read it once, 1 KiB ahead */
-    int64_t group_bytes = (nib ? 2 : 4) * Kp, groups = (N + 3) / 4, ahead = M > 2 && group_bytes > 1024 ? group_bytes : 1024;
+    int64_t group_bytes = (fmt & FMT_NIBBLES ? 2 : 4) * Kp, groups = (N + 3) / 4;
+    int64_t ahead = M > 2 && group_bytes > 1024 ? group_bytes : 1024, esz = fmt & FMT_HALF ? 2 : 4;
     #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < groups; t++) {
         int64_t n0 = t * 4, nb = N - n0 < 4 ? N - n0 : 4;
-        group(xq, xsum, xs, M, Kp, Gp, wp + t * group_bytes, dp + t * Kp / 8, mp + n0 * Gp, ahead, bias ? bias + n0 : 0,
-              y + n0, N, nb, nib);
+        group(xq, xsum, xs, M, Kp, Gp, wp + t * group_bytes, (const char*)dp + t * Kp / 8 * esz,
+              (const char*)mp + n0 * Gp * esz, ahead, bias ? bias + n0 : 0, y + n0, N, nb, fmt);
     }
     free(xq); free(xs);
     return 0;
@@ -111,7 +127,7 @@ static int int8_linear(const float* x, int64_t ldx, int64_t M, int64_t K, const 
 
 /* the library's one function, `dl_int8_linear` (int8_linear's arguments), over a build's own `group` */
 #define DL_INT8_LINEAR(group) \
-    int dl_int8_linear(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* wp, const float* dp, \
-                       const float* mp, const float* bias, float* y, int64_t N, int nib) { \
-        return int8_linear(x, ldx, M, K, wp, dp, mp, bias, y, N, nib, group); \
+    int dl_int8_linear(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* wp, const void* dp, \
+                       const void* mp, const float* bias, float* y, int64_t N, int fmt) { \
+        return int8_linear(x, ldx, M, K, wp, dp, mp, bias, y, N, fmt, group); \
     }

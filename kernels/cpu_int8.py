@@ -30,7 +30,7 @@ tests check that build's logic on a CPU without AVX-512 (16-40x slower than the 
 `default_isa()`).
 
 The first call (`unavailable()` or `linear()`) compiles the source (kernels/_cbuild.py: the system C compiler,
--O3 -mavx2 -mfma -fopenmp, into `$DECODELAB_CACHE_DIR/kernels`, once per source version). `unavailable()` says
+-O3 -mavx2 -mfma -mf16c -fopenmp, into `$DECODELAB_CACHE_DIR/kernels`, once per source version). `unavailable()` says
 why not when the CPU lacks AVX2 or FMA, there is no compiler, or the build fails: callers
 (int8_linear.int8_kernel) then fall back to PyTorch's kernels.
 """
@@ -120,7 +120,9 @@ class GroupedInt8:
 
 
 def quantize(weight: torch.Tensor) -> GroupedInt8:
-    """weight [n, k] float -> GroupedInt8: per group, m its minimum and d its range / 255 (0 for a constant group)."""
+    """weight [n, k] float -> GroupedInt8: per group, m its minimum and d its range / 255 (0 for a constant group);
+    except a group already on a symmetric 8-bit grid (llama.cpp's Q8_0: d * q, q in -127..127, d = max|w| / 127),
+    which keeps that grid exactly (d, u = q + 128, m = -128 d), unless the weight is on a 4-bit grid (`four_bit`)."""
     w = weight.detach().float()
     n, k = w.shape
     g = -(-k // GROUP)
@@ -128,6 +130,14 @@ def quantize(weight: torch.Tensor) -> GroupedInt8:
     lo, hi = groups.amin(2), groups.amax(2)
     d = (hi - lo) / 255
     u = ((groups - lo[..., None]) / torch.where(d > 0, d, 1.0)[..., None]).round_().clamp_(0, 255)
+    if not four_bit(u):
+        sd = groups.abs().amax(2) / 127
+        q = groups / torch.where(sd > 0, sd, 1.0)[..., None]
+        # a Q8_0 group (3+ distinct values: fewer, as in a padded tail, are exact on their min / max grid anyway)
+        qr = q.round()
+        grid = ((q - qr).abs() <= 1e-6).all(2) & ((qr.sort(2).values.diff(dim=2) != 0).sum(2) >= 2)
+        u = torch.where(grid[..., None], qr + 128, u)
+        d, lo = torch.where(grid, sd, d), torch.where(grid, -128 * sd, lo)
     return GroupedInt8(u.view(n, g * GROUP).to(torch.uint8), d, lo, k)
 
 
@@ -159,20 +169,37 @@ def pack4(u4: torch.Tensor) -> torch.Tensor:
     return nibbles.transpose(1, 2).contiguous()
 
 
-def pack_steps(d: torch.Tensor) -> torch.Tensor:
-    """d [N, G] as the kernel reads it beside `pack`'s groups: [ceil(N / 4), G, 4]."""
+def pack_steps(d: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """d [N, G] as the kernel reads it beside `pack`'s groups, in `dtype` (fp32 or fp16): [ceil(N / 4), G, 4]."""
     padded = torch.nn.functional.pad(d.float(), (0, 0, 0, -d.shape[0] % 4))
-    return padded.view(padded.shape[0] // 4, 4, d.shape[1]).transpose(1, 2).contiguous()
+    return padded.view(padded.shape[0] // 4, 4, d.shape[1]).transpose(1, 2).to(dtype).contiguous()
 
 
-def pack_offsets(m: torch.Tensor) -> torch.Tensor:
-    """m [N, G] padded with zeros to [ceil(N / 4) * 4, G rounded up to 8]: a row's offsets are read 8 at a time."""
-    return torch.nn.functional.pad(m.float(), (0, -m.shape[1] % 8, 0, -m.shape[0] % 4)).contiguous()
+def pack_offsets(m: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """m [N, G] padded with zeros to [ceil(N / 4) * 4, G rounded up to 8], in `dtype`: a row's offsets are read 8 at
+    a time."""
+    return torch.nn.functional.pad(m.float(), (0, -m.shape[1] % 8, 0, -m.shape[0] % 4)).to(dtype).contiguous()
+
+
+def fp16_exact(t: torch.Tensor) -> bool:
+    """Whether fp16 holds every value of t to 2^-16 of itself: a GGUF's Q4_1 / Q8_0 scales, fp16 to begin with, pass
+    after our fp32 arithmetic on them (~1e-6 off); a scale computed from fp32 weights lands that close to an fp16
+    value 1 time in 32, so a matrix of them never passes."""
+    h = t.half().float()
+    return bool(h.isfinite().all() and ((h - t).abs() <= t.abs() * 2.0**-16).all())
 
 
 def nibbles_enabled() -> bool:
     """DECODELAB_INT8_NIBBLES=0 keeps every weight in 8-bit codes (the fallback, and an A/B switch)."""
     return os.environ.get("DECODELAB_INT8_NIBBLES", "1") != "0"
+
+
+def half_scales_enabled() -> bool:
+    """DECODELAB_INT8_HALF_SCALES=0 keeps every step and offset in fp32 (the fallback, and an A/B switch)."""
+    return os.environ.get("DECODELAB_INT8_HALF_SCALES", "1") != "0"
+
+
+FMT_NIBBLES, FMT_HALF = 1, 2  # Matrix.fmt's bits, as kernels/cpu_int8.h defines them
 
 
 class Matrix:
@@ -189,14 +216,18 @@ class Matrix:
         self.kernel = KERNELS[self.isa]
         self.nibbles = nibbles_enabled() and four_bit(w.u)
         if self.nibbles:
-            self.packed, self.steps = pack4(w.u // 17), pack_steps(w.d * 17)
+            self.packed, steps = pack4(w.u // 17), w.d * 17
         else:
-            self.packed, self.steps = pack(w.u, ROW_BYTES[self.isa]), pack_steps(w.d)
-        self.offsets = pack_offsets(w.m)
+            self.packed, steps = pack(w.u, ROW_BYTES[self.isa]), w.d
+        # fp16 steps and offsets where that rounds none of them (a GGUF's): 4 bytes fewer per 32 weights
+        self.half = half_scales_enabled() and fp16_exact(steps) and fp16_exact(w.m)
+        dtype = torch.float16 if self.half else torch.float32
+        self.steps, self.offsets = pack_steps(steps, dtype), pack_offsets(w.m, dtype)
+        self.fmt = FMT_NIBBLES * self.nibbles | FMT_HALF * self.half
         self.bias = None if bias is None else bias.contiguous()
         self.n, self.k = w.n, w.k
         self._ptrs = (self.packed.data_ptr(), self.steps.data_ptr(), self.offsets.data_ptr(),
-                      None if bias is None else self.bias.data_ptr(), int(self.nibbles))
+                      None if bias is None else self.bias.data_ptr(), self.fmt)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] fp32 on the CPU -> [M, N] fp32."""
@@ -205,9 +236,9 @@ class Matrix:
             x = x.contiguous()
         out = torch.empty(x.shape[0], self.n)
         if x.shape[0]:
-            packed, steps, offsets, bias, nib = self._ptrs
+            packed, steps, offsets, bias, fmt = self._ptrs
             if self.kernel.lib.dl_int8_linear(x.data_ptr(), x.stride(0), x.shape[0], self.k, packed, steps, offsets,
-                                              bias, out.data_ptr(), self.n, nib):
+                                              bias, out.data_ptr(), self.n, fmt):
                 raise MemoryError("cpu_int8: no memory for the int16 copy of the activations")
         return out
 

@@ -54,18 +54,20 @@ static inline __m512i w4(const uint8_t* p) {
 #define BLOCK static inline __attribute__((always_inline)) void
 
 /* R rows of xq (Kp apart; their group sums Gp apart in xsum) times packed group g's 4 outputs, over Kp / 32 weight
-   groups (128 bytes of 8-bit codes, 64 of 4-bit ones); d: the 4 outputs' steps, 4 a group; m: the first output's
-   offsets, Gp apart. s[r][o]: row r, output o. R is a constant in each caller, so the loops unroll and the
-   accumulators stay in registers (R * 4 + R + 2 of the 32). */
+   groups (128 bytes of 8-bit codes, 64 of 4-bit ones); dp: the 4 outputs' steps, 4 a group; m: the first output's
+   offsets, Gp apart (fp16 with half, else fp32). s[r][o]: row r, output o. R is a constant in each caller, so the
+   loops unroll and the accumulators stay in registers (R * 4 + R + 2 of the 32). */
 BLOCK block(const int R, const int16_t* x, const float* xsum, int64_t Kp, int64_t Gp, const uint8_t* g,
-            const float* d, const float* m, int64_t ahead, float s[4][4], const int nib) {
+            const char* dp, const char* m, int64_t ahead, float s[4][4], const int nib, const int half) {
     __m512 acc[4][4];
     for (int r = 0; r < R; r++)
         for (int o = 0; o < 4; o++) acc[r][o] = _mm512_setzero_ps();
-    const int64_t stride = nib ? 64 : 128, row_bytes = nib ? 16 : 32;
-    for (int64_t k = 0; k < Kp; k += 32, g += stride, d += 4) {
+    const int64_t stride = nib ? 64 : 128, row_bytes = nib ? 16 : 32, esz = half ? 2 : 4;
+    for (int64_t k = 0; k < Kp; k += 32, g += stride, dp += 4 * esz) {
         _mm_prefetch((const char*)g + ahead, _MM_HINT_T0);
         if (!nib) _mm_prefetch((const char*)g + 64 + ahead, _MM_HINT_T0);
+        float ds[4];
+        const float* d = STEPS(dp, ds);
         __m512i xr[4];
         for (int r = 0; r < R; r++) xr[r] = _mm512_loadu_si512((const void*)(x + r * Kp + k));
         for (int o = 0; o < 4; o++) {
@@ -80,31 +82,29 @@ BLOCK block(const int R, const int16_t* x, const float* xsum, int64_t Kp, int64_
         for (int o = 0; o < 4; o++) {  /* 16 lanes to 8 (low half + high half), then cpu_int8.h's order */
             h[o] = _mm256_add_ps(_mm512_castps512_ps256(acc[r][o]),
                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][o]), 1)));
-            h[o] = offsets(h[o], xsum + r * Gp, m + o * Gp, Gp);
+            h[o] = offsets(h[o], xsum + r * Gp, m + o * Gp * esz, Gp, half);
         }
         _mm_storeu_ps(s[r], reduce4(h[0], h[1], h[2], h[3]));
     }
 }
 
-typedef void (*block_fn)(const int16_t*, const float*, int64_t, int64_t, const uint8_t*, const float*, const float*,
+typedef void (*block_fn)(const int16_t*, const float*, int64_t, int64_t, const uint8_t*, const char*, const char*,
                          int64_t, float[4][4]);
-/* each row count compiled for 8-bit (…8) and 4-bit (…4) codes */
-#define ROWS(R) \
-    static void block_##R##8(const int16_t* x, const float* xsum, int64_t Kp, int64_t Gp, const uint8_t* g, \
-                             const float* d, const float* m, int64_t ahead, float s[4][4]) { \
-        block(R, x, xsum, Kp, Gp, g, d, m, ahead, s, 0); } \
-    static void block_##R##4(const int16_t* x, const float* xsum, int64_t Kp, int64_t Gp, const uint8_t* g, \
-                             const float* d, const float* m, int64_t ahead, float s[4][4]) { \
-        block(R, x, xsum, Kp, Gp, g, d, m, ahead, s, 1); }
+/* each row count compiled for each format (cpu_int8.h `FMT_*`) */
+#define FORMAT(R, fmt) \
+    static void block_##R##_##fmt(const int16_t* x, const float* xsum, int64_t Kp, int64_t Gp, const uint8_t* g, \
+                                  const char* d, const char* m, int64_t ahead, float s[4][4]) { \
+        block(R, x, xsum, Kp, Gp, g, d, m, ahead, s, (fmt) & FMT_NIBBLES, ((fmt) & FMT_HALF) != 0); }
+#define ROWS(R) FORMAT(R, 0) FORMAT(R, 1) FORMAT(R, 2) FORMAT(R, 3)
 ROWS(1) ROWS(2) ROWS(3) ROWS(4)
 
 /* every row of xq times one group, in even chunks of at most 4 rows (8 -> 4 + 4, 7 -> 4 + 3), each one block */
 static void group(const int16_t* xq, const float* xsum, const float* xs, int64_t M, int64_t Kp, int64_t Gp,
-                  const uint8_t* g, const float* d, const float* m, int64_t ahead, const float* bias, float* y,
-                  int64_t ldy, int64_t nb, int nib) {
-    static const block_fn by_rows8[5] = {0, block_18, block_28, block_38, block_48};
-    static const block_fn by_rows4[5] = {0, block_14, block_24, block_34, block_44};
-    const block_fn* by_rows = nib ? by_rows4 : by_rows8;
+                  const uint8_t* g, const char* d, const char* m, int64_t ahead, const float* bias, float* y,
+                  int64_t ldy, int64_t nb, int fmt) {
+#define BY_ROWS(f) {0, block_1_##f, block_2_##f, block_3_##f, block_4_##f}
+    static const block_fn by_fmt[4][5] = {BY_ROWS(0), BY_ROWS(1), BY_ROWS(2), BY_ROWS(3)};
+    const block_fn* by_rows = by_fmt[fmt];
     int64_t chunks = (M + 3) / 4, i0 = 0;
     for (int64_t c = 0; c < chunks; c++) {
         int64_t r = (M - i0 + (chunks - c) - 1) / (chunks - c);

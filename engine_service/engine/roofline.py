@@ -173,11 +173,12 @@ def _stored_bytes(w: Int8Weight | HeadWeight | RowSplitWeight, numel: int) -> in
     # a RowSplitWeight holds two int8 copies; a decode step reads one (the avx2 kernel's)
     if isinstance(w, HeadWeight):
         return numel * 2  # fbgemm's fp16 weight
-    # codes plus their scales: one fp32 per output channel (fbgemm), or an fp32 step and offset per 32 weights; a
-    # weight on a 4-bit grid is held as 4-bit codes (cpu_int8.Matrix.nibbles)
+    # codes plus their scales: one fp32 per output channel (fbgemm), or a step and offset per 32 weights (fp32, or
+    # fp16 where that is exact: cpu_int8.Matrix.half); a weight on a 4-bit grid is held as 4-bit codes (`nibbles`)
     matrix = getattr(w, "matrix", None)
-    codes = numel // 2 if matrix is not None and matrix.nibbles else numel
-    return codes + w.scale.nbytes + w.group_bytes
+    if matrix is None:
+        return numel + w.scale.nbytes + w.group_bytes
+    return (numel // 2 if matrix.nibbles else numel) + matrix.steps.nbytes + matrix.offsets.nbytes
 
 
 def _linear_bytes(m: Linear) -> int:

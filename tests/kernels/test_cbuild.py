@@ -21,7 +21,7 @@ def test_without_a_compiler_it_reports_why_and_does_not_build(name, monkeypatch,
 
 def test_a_build_for_instructions_the_cpu_lacks_names_them_and_is_not_built(monkeypatch, tmp_path):
     monkeypatch.setenv("DECODELAB_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(_cbuild, "cpu_flags", lambda: {"avx2", "fma", "avx512f"})  # AVX-512 F without BW
+    monkeypatch.setattr(_cbuild, "cpu_flags", lambda: {"avx2", "fma", "f16c", "avx512f"})  # AVX-512 F without BW
     lib, why = _cbuild.build("cpu_int8_avx512", ("-mavx512f", "-mavx512bw"), ("avx512f", "avx512bw"))
     assert lib is None and "lacks avx512bw" in why and "avx512f" not in why.split("lacks")[1]
     assert not any(tmp_path.rglob("*.so"))

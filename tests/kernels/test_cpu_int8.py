@@ -34,10 +34,20 @@ def exact(x, w: cpu_int8.GroupedInt8, bias=None):
     return y if bias is None else y + bias.double()
 
 
+def as_multiplied(w: cpu_int8.GroupedInt8, matrix: cpu_int8.Matrix) -> cpu_int8.GroupedInt8:
+    """w with the steps and offsets the kernel multiplies by: rounded to fp16 where the Matrix holds them so (a
+    GGUF's scales are fp16 values; any other matrix takes them 1 time in 32 per group, changed by <= 2^-16)"""
+    if not matrix.half:
+        return w
+    scale = 17 if matrix.nibbles else 1
+    return cpu_int8.GroupedInt8(w.u, (w.d * scale).half().float() / scale, w.m.half().float(), w.k)
+
+
 def check(x, w: cpu_int8.GroupedInt8, bias=None, isa=None) -> torch.Tensor:
     """the kernel against `exact` (fp32 rounds the group sums, the steps and the lanes: a few ulps of the terms'
     magnitude) and each row alone against its batch, bit for bit"""
     matrix = cpu_int8.Matrix(w, bias, isa)
+    w = as_multiplied(w, matrix)
     got = matrix(x)
     assert got.shape == (x.shape[0], w.n) and got.dtype == torch.float32
     terms = x.abs().amax(1, keepdim=True).double() * (w.u.double().view(w.n, -1, 32).sum(-1) * w.d.double()
@@ -236,3 +246,42 @@ def test_the_build_is_chosen_from_the_cpu_and_decodelab_cpu_isa_narrows_it(monke
     monkeypatch.setenv("DECODELAB_CPU_ISA", "avx3")
     with pytest.raises(ValueError, match="DECODELAB_CPU_ISA"):
         cpu_int8.default_isa()
+
+
+def gguf_grid(n: int, k: int, seed: int, kind: str) -> torch.Tensor:
+    """weights as llama.cpp's loader dequantizes them: Q4_1 (m + d * q, q in 0..15) or Q8_0 (d * q, q in -127..127,
+    one |q| = 127), d and m fp16 values, per group of 32"""
+    g = torch.Generator().manual_seed(seed)
+    d = (torch.rand(n, k // 32, 1, generator=g) * 0.01 + 1e-3).half().float()
+    if kind == "q8_0":
+        q = torch.randint(-127, 128, (n, k // 32, 32), generator=g)
+        q[..., 0] = 127 * torch.where(torch.rand(n, k // 32, generator=g) < 0.5, -1, 1)
+        return (d * q).view(n, k)
+    m = (torch.randn(n, k // 32, 1, generator=g) * 0.02).half().float()
+    q = torch.randint(0, 16, (n, k // 32, 32), generator=g)
+    q[..., 0], q[..., 1] = 0, 15
+    return (m + d * q).view(n, k)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_a_gguf_grid_is_kept_exactly_with_fp16_steps_and_offsets(isa, kind, monkeypatch):
+    w = gguf_grid(37, 96, 3, kind)
+    grouped = cpu_int8.quantize(w)
+    # Q8_0's symmetric grid kept as it is (not re-quantized onto each group's min / max): bit for bit; Q4_1's to
+    # the fp32 rounding of m + d * q (the fp16 steps below make the kernel's products exactly d * q)
+    if kind == "q8_0":
+        assert torch.equal(grouped.dequantize(), w)
+    torch.testing.assert_close(grouped.dequantize(), w, rtol=0, atol=1e-6 * float(w.abs().max()))
+    matrix = cpu_int8.Matrix(grouped, isa=isa)
+    assert matrix.half and matrix.steps.dtype == matrix.offsets.dtype == torch.float16
+    assert matrix.nibbles == (kind == "q4_1") and matrix.fmt == cpu_int8.FMT_HALF | matrix.nibbles
+    x = torch.randn(6, 96)
+    got = check(x, grouped, isa=isa)
+    monkeypatch.setenv("DECODELAB_INT8_HALF_SCALES", "0")
+    fp32 = cpu_int8.Matrix(grouped, isa=isa)
+    assert not fp32.half and fp32.steps.dtype == torch.float32
+    assert 2 * (matrix.steps.nbytes + matrix.offsets.nbytes) == fp32.steps.nbytes + fp32.offsets.nbytes
+    torch.testing.assert_close(got, fp32(x), rtol=1e-5, atol=1e-5 * float(got.abs().max()))
+    # weights from fp32 values (a safetensors checkpoint) keep fp32 steps: fp16 would round them
+    assert not cpu_int8.Matrix(cpu_int8.quantize(torch.randn(8, 64)), isa=isa).half

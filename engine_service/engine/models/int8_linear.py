@@ -213,7 +213,7 @@ class RowSplitWeight:
         self.generated = Int8Weight(weight, bias, cpu_int8.default_isa())
         self.prompt = Int8Weight(weight, bias, "fbgemm")
         self.kernel, self.scale, self.out_features = "avx2|fbgemm", self.generated.scale, weight.shape[0]
-        self.group_bytes = self.generated.group_bytes
+        self.group_bytes, self.matrix = self.generated.group_bytes, self.generated.matrix  # what decode rows read
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         n = generated_rows.get()
