@@ -124,7 +124,9 @@ async def measure(base_url: str, model: str, args, label: str) -> dict:
     """Warm-up, single streams, then bursts of `args.streams`; prints as it goes."""
     from openai import AsyncOpenAI
 
-    client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", timeout=900, max_retries=0)
+    # retries: a pooled keep-alive connection the server has just closed fails before any byte comes back (seen once
+    # with llama-server at the first burst); the client then sends the request again, nothing counted twice
+    client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", timeout=900, max_retries=2)
     try:
         await asyncio.gather(*(stream_one(client, model, p, 4) for p in prompts_for(-1, 2, 8)))  # warm-up
         singles = []
