@@ -1,10 +1,11 @@
 """8-bit weight x int16-quantized activation matmul for x86 CPUs with AVX2 (`cpu_int8.c`) or AVX-512 F + BW
 (`cpu_int8_avx512.c`: the same format and integers, whole groups in one 512-bit register), built on first use.
 
-The weights are 8-bit codes in groups of 32 along K, each group with its own fp32 step and offset (`GroupedInt8`,
-`quantize`): a group's 256 levels span its own [min, max], as llama.cpp's Q4_1 / Q5_1 blocks do, so SmolLM2's
-Q4_1 weights (16 levels a group) are kept exactly, and `Matrix` stores such a weight as its 4-bit codes (`four_bit`,
-`pack4`): half the bytes a decode step reads, the same operations per weight.
+The weights are 8-bit codes in groups of 32 along K, each group with its own step and offset (`GroupedInt8`,
+`quantize`; fp32, or fp16 where that holds them exactly, as a GGUF's: `Matrix.half`): a group's 256 levels span its
+own [min, max], as llama.cpp's Q4_1 / Q5_1 blocks do, so SmolLM2's Q4_1 weights (16 levels a group) are kept
+exactly, and `Matrix` stores such a weight as its 4-bit codes (`four_bit`, `pack4`): half the bytes a decode step
+reads, the same operations per weight. A group on llama.cpp's Q8_0 grid keeps that grid (SmolLM2's head).
 
 On SmolLM2-135M (docs/kernels.md) per-row symmetric int8, the format before, moved continuation log-likelihoods
 by up to 0.25 nats and perplexity by up to +1.0% even with exact activations; symmetric groups of 32 (Q8_0's
@@ -31,7 +32,7 @@ tests check that build's logic on a CPU without AVX-512 (16-40x slower than the 
 
 The first call (`unavailable()` or `linear()`) compiles the source (kernels/_cbuild.py: the system C compiler,
 -O3 -mavx2 -mfma -mf16c -fopenmp, into `$DECODELAB_CACHE_DIR/kernels`, once per source version). `unavailable()` says
-why not when the CPU lacks AVX2 or FMA, there is no compiler, or the build fails: callers
+why not when the CPU lacks AVX2, FMA or F16C, there is no compiler, or the build fails: callers
 (int8_linear.int8_kernel) then fall back to PyTorch's kernels.
 """
 from __future__ import annotations
