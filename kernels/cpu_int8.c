@@ -157,8 +157,6 @@ BLOCK block_4x2(const int16_t* x, const float* xsum, int64_t Kp, int64_t Gp, con
     s[2][0] = t[0]; s[2][1] = t[1]; s[3][0] = t[2]; s[3][1] = t[3];
 }
 
-typedef void (*block_fn)(const int16_t*, const float*, int64_t, int64_t, const uint8_t*, const char*, const char*,
-                         int64_t, float[4][4]);
 /* each block compiled for each format (cpu_int8.h `FMT_*`): 8-bit or 4-bit codes, fp32 or fp16 steps and offsets */
 #define FORMAT(name, fmt) \
     static void name##_##fmt(const int16_t* x, const float* xsum, int64_t Kp, int64_t Gp, const uint8_t* g, \
@@ -179,7 +177,7 @@ static void group(const int16_t* xq, const float* xsum, const float* xs, int64_t
     const int64_t esz = fmt & FMT_HALF ? 2 : 4;  /* bytes of a step or an offset */
     int64_t chunks = (M + 3) / 4, i0 = 0;
     for (int64_t c = 0; c < chunks; c++) {
-        int64_t r = (M - i0 + (chunks - c) - 1) / (chunks - c);
+        int64_t r = chunk_rows(M, i0, chunks, c);
         const int16_t* xr = xq + i0 * Kp;
         const float* sr = xsum + i0 * Gp;
         float s[4][4], h[4][4];

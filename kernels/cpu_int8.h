@@ -66,7 +66,8 @@ static inline __m256 load8(const char* m, int half) {
 
 /* f += the offsets' term, sum over groups of offset * the row's group sum (8 groups a step, in order) */
 static inline __m256 offsets(__m256 f, const float* xsum, const char* m, int64_t Gp, int half) {
-    for (int64_t j = 0; j < Gp; j += 8) f = _mm256_fmadd_ps(_mm256_loadu_ps(xsum + j), load8(m + j * (half ? 2 : 4), half), f);
+    for (int64_t j = 0; j < Gp; j += 8)
+        f = _mm256_fmadd_ps(_mm256_loadu_ps(xsum + j), load8(m + j * (half ? 2 : 4), half), f);
     return f;
 }
 
@@ -78,6 +79,17 @@ static inline __m256 offsets(__m256 f, const float* xsum, const char* m, int64_t
 static inline __m128 reduce4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
     __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* a block: rows of xq (Kp apart; their group sums Gp apart) times a packed group g with its steps d and offsets m
+   (each build's own shapes), its sums to s[row][output] */
+typedef void (*block_fn)(const int16_t*, const float*, int64_t, int64_t, const uint8_t*, const char*, const char*,
+                         int64_t, float[4][4]);
+
+/* the rows of chunk c of `chunks`, from row i0 of M on: M split evenly into chunks of at most 4 (8 -> 4 + 4,
+   7 -> 4 + 3) */
+static inline int64_t chunk_rows(int64_t M, int64_t i0, int64_t chunks, int64_t c) {
+    return (M - i0 + (chunks - c) - 1) / (chunks - c);
 }
 
 /* a chunk's r rows x nb outputs of block sums s to y (ldy apart by row): times each row's step xs, plus the bias */
@@ -111,8 +123,9 @@ static int int8_linear(const float* x, int64_t ldx, int64_t M, int64_t K, const 
     if (!xq || !xs) { free(xq); free(xs); return -1; }
     float* xsum = xs + M;
     quantize_rows(x, ldx, M, K, Kp, Gp, xq, xs, xsum);
-    /* with 3+ rows a group is read twice: prefetch the next group (at least 1 KiB on) so the memory stream goes
-       on during the second pass; 1-2 rows read it once, 1 KiB ahead */
+    /* with 3+ rows the AVX2 build reads a group twice: prefetch the next group (at least 1 KiB on) so the memory
+       stream goes on during the second pass; 1-2 rows read it once, 1 KiB ahead (the AVX-512 build reads every
+       group once and keeps the same distances) */
     int64_t group_bytes = (fmt & FMT_NIBBLES ? 2 : 4) * Kp, groups = (N + 3) / 4;
     int64_t ahead = M > 2 && group_bytes > 1024 ? group_bytes : 1024, esz = fmt & FMT_HALF ? 2 : 4;
     #pragma omp parallel for schedule(static)

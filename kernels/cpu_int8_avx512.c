@@ -88,8 +88,6 @@ BLOCK block(const int R, const int16_t* x, const float* xsum, int64_t Kp, int64_
     }
 }
 
-typedef void (*block_fn)(const int16_t*, const float*, int64_t, int64_t, const uint8_t*, const char*, const char*,
-                         int64_t, float[4][4]);
 /* each row count compiled for each format (cpu_int8.h `FMT_*`) */
 #define FORMAT(R, fmt) \
     static void block_##R##_##fmt(const int16_t* x, const float* xsum, int64_t Kp, int64_t Gp, const uint8_t* g, \
@@ -107,7 +105,7 @@ static void group(const int16_t* xq, const float* xsum, const float* xs, int64_t
     const block_fn* by_rows = by_fmt[fmt];
     int64_t chunks = (M + 3) / 4, i0 = 0;
     for (int64_t c = 0; c < chunks; c++) {
-        int64_t r = (M - i0 + (chunks - c) - 1) / (chunks - c);
+        int64_t r = chunk_rows(M, i0, chunks, c);
         float s[4][4];
         by_rows[r](xq + i0 * Kp, xsum + i0 * Gp, Kp, Gp, g, d, m, ahead, s);
         store(s, r, nb, xs + i0, bias, y + i0 * ldy, ldy);
