@@ -96,6 +96,10 @@ def test_a_run_fills_all_four_columns_the_kv_panel_and_the_summary(smol_stack, p
     expect(tip.locator(".ent")).to_have_text(re.compile(r"entropy \d+\.\d\d nats"))
     assert re.search(r"p = \d+\.\d% \(logprob -?\d+\.\d\d\)", tip.text_content()), tip.text_content()
     page.screenshot(path=str(SCREENSHOT), full_page=True)
+    # Gradio's run history is off (web/app.py): it kept every run's outputs in localStorage and re-read them all
+    # every 500 ms while a run streamed, so each run's page got slower and the prompts stayed in the browser
+    stored = page.evaluate("() => Object.keys(localStorage).concat(Object.keys(sessionStorage))")
+    assert not [k for k in stored if "run-history" in k], stored
     assert page.errors == []
 
 
