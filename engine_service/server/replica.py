@@ -67,6 +67,9 @@ class Replica:
             self._spawn(name, role)
         self.state.listening.wait(listen_timeout)
         self._spawn("intake", self.roles["intake"])
+        # its first heartbeat before start() returns (and so before the API's /ready says 200): routers skip a
+        # replica without one, so a client that sent work on /ready found no routable replica (seen in CI)
+        self.roles["control"].announce()
         return self
 
     def _spawn(self, name: str, role) -> None:

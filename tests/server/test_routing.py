@@ -270,6 +270,11 @@ def test_stale_kv_events_cost_a_prefill_not_a_wrong_answer(worker, redis_server,
     prompt = random_prompt(64, seed=99)
     want = reference_engine.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=5, **GREEDY))
     wait_until(lambda: sync_redis.zscore(keys.live, worker.state.cfg.name), 10, what="the replica's heartbeat")
+    # its first heartbeat (written in start()) makes it publish its whole prefix-cache set, replacing the set: the
+    # lie goes in after that publication has left the outbox and the publisher's pipeline ran
+    wait_until(lambda: not worker.state.kv_resync.is_set() and worker.state.outbox.empty(), 10,
+               what="the replica's first prefix-cache publication")
+    time.sleep(0.3)
     sync_redis.sadd(keys.kv_blocks(worker.state.cfg.name), *block_hashes(prompt, 16))  # a lie
 
     async def main():

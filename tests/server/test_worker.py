@@ -1,5 +1,6 @@
 """One in-process replica (real engine on a tiny model, real Redis): streaming, batching, cancel, bad input."""
 import asyncio
+import json
 import time
 
 import redis.asyncio as aioredis
@@ -273,3 +274,12 @@ def test_beam_and_speculative_modes_through_redis(worker, redis_server, keys, re
     marks = [m for e in spec_events[:-1] for m in e.spec]
     assert len(marks) == 24 and set(marks) <= {"accepted", "resampled", "bonus", "target"}
     assert done.metrics.spec is not None
+
+
+def test_a_started_replica_has_already_said_it_accepts_work(make_worker, keys, sync_redis):
+    """Routers route only to replicas whose heartbeat says `accepting`: the first one is written before start()
+    returns, so /ready (which waits for start) never precedes it."""
+    w = make_worker(claim_idle_s=40.0)  # beats every second: the periodic one cannot have come first by chance
+    beat = sync_redis.get(keys.replica(w.state.cfg.name))
+    assert beat is not None and json.loads(beat)["accepting"] is True
+    assert sync_redis.zscore(keys.live, w.state.cfg.name) is not None
