@@ -239,8 +239,8 @@ def launch(demo: gr.Blocks, host: str, port: int, **kw):
     demo.queue(default_concurrency_limit=None, max_size=256)
     # uploads are run files only: Gradio refuses anything far past their cap before it reaches the disk.
     # run_history off: Gradio 6 kept each run's outputs (every frame's column HTML) in the browser's localStorage
-    # and re-parsed the whole history every 500 ms of a stream; by the 25th run the page's Chromium took 11-13 CPU-s
-    # a run instead of 4 and TPOT rose to ~100 ms (docs/benchmarks.md). A run's share link keeps runs instead.
+    # and re-parsed the whole history every 500 ms of a stream: Chromium's CPU a run doubled against the engine's
+    # over 25 runs on one page, and TPOT rose to ~100 ms by runs 22-29 of 30 (docs/benchmarks.md). Share keeps runs.
     return demo.launch(server_name=host, server_port=port, theme=theme(), css_paths=[CSS_PATH], ssr_mode=False,
                        js=page_js(), show_error=True, quiet=kw.pop("quiet", False), run_history=False,
                        max_file_size=2 * share.MAX_FILE_BYTES, **kw)
