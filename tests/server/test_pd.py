@@ -2,7 +2,6 @@
 blocks through Redis to a decode replica, whose output equals the colocated one; lost transfers and dead replicas
 end in a recompute, exactly once, with nothing left behind."""
 import asyncio
-import json
 import signal
 from collections import Counter
 
@@ -36,11 +35,9 @@ async def _last(client: EngineClient, sub):
 def test_every_mode_through_the_hand_over_equals_the_colocated_output(spawn_replica, redis_server, keys,
                                                                         sync_redis, reference_engine):
     # heartbeats live 3 beats: 1.1 s at the default 1.5 s claim-idle, which a replica starved by the other's start-up
-    # missed once in a full run (all five routed to D); this test reclaims nothing, so 3 s. And /ready comes before
-    # a replica's first heartbeat that says it pulls (routers skip it until then: all five went nowhere once)
+    # missed once in a full run (all five routed to D); this test reclaims nothing, so 3 s. (/ready now follows a
+    # replica's first heartbeat: Replica.start writes it)
     p, d = _pd(spawn_replica, claim_idle=4.0)
-    wait_until(lambda: all(json.loads(sync_redis.get(keys.replica(n)) or "{}").get("accepting") for n in "PD"), 10,
-               0.05, "both replicas routable")
     prompts = {m: random_prompt(50, seed=i) for i, m in enumerate(MODES)}  # 3 full blocks and a tail
 
     async def main():
