@@ -111,6 +111,8 @@ def test_the_fp16_head_matches_fp32_closely():
 
 
 def test_kernel_choice_and_its_switch(monkeypatch):
+    for switch in ("DECODELAB_INT8_KERNEL", "DECODELAB_CPU_ISA"):  # the default, also in a run forcing a fallback
+        monkeypatch.delenv(switch, raising=False)
     assert int8_kernel(torch.device("cuda")) == "dequant"
     # our kernel first: its grouped 8-bit weights and int16 activations keep the model's probabilities
     default = cpu_int8.default_isa() if cpu_int8.unavailable() is None else "fbgemm" if FBGEMM is None else "dequant"
@@ -131,7 +133,8 @@ def test_kernel_choice_and_its_switch(monkeypatch):
     if AVX512 is None:
         assert int8_kernel(torch.device("cpu")) == "avx512"
     else:
-        with pytest.raises(ValueError, match="avx512 does not run here.*avx512"):  # names what the CPU lacks
+        # names what the CPU lacks (or the generic switch, where a run forced it before the build was tried)
+        with pytest.raises(ValueError, match="avx512 does not run here.*(avx512|generic)"):
             int8_kernel(torch.device("cpu"))
     monkeypatch.setenv("DECODELAB_INT8_KERNEL", "int4")
     with pytest.raises(ValueError, match="DECODELAB_INT8_KERNEL"):
@@ -197,7 +200,7 @@ def test_int8_engine_predicts_the_fp32_top_token_at_most_positions(kernel, arch,
     assert isinstance(head, HeadWeight) if want["head"] == "fp16" else head.kernel == want["head"]
     if kernel == "fbgemm":
         ours_ = cpu_int8.default_isa()
-        mix = ("avx2|fbgemm", ours_, "avx2|fbgemm", ours_, ours_) if AVX2 is None else (
+        mix = (f"{ours_}|fbgemm", ours_, f"{ours_}|fbgemm", ours_, ours_) if AVX2 is None else (
             "fbgemm", "fbgemm", "fbgemm", "fp16", "fp16")  # no C compiler
         assert tuple(want.values()) == mix
     int8_out, int8_top = greedy_and_teacher_forced(llm, prompts)
@@ -245,7 +248,11 @@ def smollm2_scores(smollm2_dir):
                 llm = LLM(model=str(smollm2_dir), quantization="int8", num_kv_blocks=64)
                 assert llm.engine.runner.model.layers[0].mlp.down_proj.int8.matrix.isa == "avx512"
         else:
-            llm = LLM(model=str(smollm2_dir), quantization=quantization, kv_cache_dtype=kv, num_kv_blocks=64)
+            # the bounds are the default kernel's, also in a run with DECODELAB_INT8_KERNEL forced: the opt-in
+            # fbgemm mix (8-bit prompt activations) is ~0.3 nats off here, its figures in bench quality
+            with pytest.MonkeyPatch.context() as mp:
+                mp.delenv("DECODELAB_INT8_KERNEL", raising=False)
+                llm = LLM(model=str(smollm2_dir), quantization=quantization, kv_cache_dtype=kv, num_kv_blocks=64)
         text = {"prose": quality_texts(llm.tokenizer, ("prose.txt",))["prose.txt"][:400]}
         pairs = pair_tokens(llm.tokenizer, [("The largest planet is", " Jupiter"), ("The cat sat on the", " mat"),
                                             ("The capital of France is", " Paris")])

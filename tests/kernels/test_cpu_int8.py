@@ -197,12 +197,14 @@ def q4_grid(n: int, k: int, seed: int) -> torch.Tensor:
 def test_q4_weights_run_as_4_bit_codes_with_the_8_bit_results(isa, rows, n, k, seed):
     w = cpu_int8.quantize(q4_grid(n, k, seed))
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed))
-    assert cpu_int8.four_bit(w.u) and cpu_int8.Matrix(w, isa=isa).nibbles
-    got = check(x, w, isa=isa)  # the 8-bit codes' reference, and each row alone against its batch
     with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("DECODELAB_INT8_NIBBLES", raising=False)  # on, also in a run that forces the fallback
+        four = cpu_int8.Matrix(w, isa=isa)
+        assert cpu_int8.four_bit(w.u) and four.nibbles
+        got = check(x, w, isa=isa)  # the 8-bit codes' reference, and each row alone against its batch
         mp.setenv("DECODELAB_INT8_NIBBLES", "0")
         eight = cpu_int8.Matrix(w, isa=isa)
-    assert not eight.nibbles and eight.packed.numel() == 2 * cpu_int8.Matrix(w, isa=isa).packed.numel()
+    assert not eight.nibbles and eight.packed.numel() == 2 * four.packed.numel()
     # the same products; the steps differ by the fp32 rounding of d * 17
     torch.testing.assert_close(got, eight(x), rtol=1e-5, atol=1e-5 * float(got.abs().max()))
 
@@ -222,7 +224,8 @@ def test_pack4_puts_a_groups_32_codes_in_16_bytes_low_nibbles_first():
 @pytest.mark.skipif(cpu_int8.unavailable("avx2") is not None or cpu_int8.unavailable("avx512-simde") is not None,
                     reason="needs the avx2 build and the SIMDe one")
 @pytest.mark.parametrize("nibbles", [False, True])
-def test_the_avx512_build_gives_the_avx2_builds_results_to_the_rounding_of_its_lane_sums(nibbles):
+def test_the_avx512_build_gives_the_avx2_builds_results_to_the_rounding_of_its_lane_sums(nibbles, monkeypatch):
+    monkeypatch.delenv("DECODELAB_INT8_NIBBLES", raising=False)  # 4-bit codes on, also in a run forcing them off
     # SmolLM2's gate_up shape, 5 rows (chunks of 3 and 2), Q4_1 weights (4-bit codes) or free ones (8-bit codes)
     w = cpu_int8.quantize(q4_grid(3072, 576, 7) if nibbles else torch.randn(3072, 576) * 0.05)
     x = torch.randn(5, 576)
@@ -234,6 +237,7 @@ def test_the_avx512_build_gives_the_avx2_builds_results_to_the_rounding_of_its_l
 
 
 def test_the_build_is_chosen_from_the_cpu_and_decodelab_cpu_isa_narrows_it(monkeypatch):
+    monkeypatch.delenv("DECODELAB_CPU_ISA", raising=False)  # the CPU's choice, also in a run forcing a narrower one
     wide = cpu_int8.KERNELS["avx512"]
     assert cpu_int8.default_isa() == ("avx512" if wide.unavailable() is None else "avx2")
     if wide.unavailable() is not None:
@@ -266,6 +270,8 @@ def gguf_grid(n: int, k: int, seed: int, kind: str) -> torch.Tensor:
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 def test_a_gguf_grid_is_kept_exactly_with_fp16_steps_and_offsets(isa, kind, monkeypatch):
+    for switch in ("DECODELAB_INT8_NIBBLES", "DECODELAB_INT8_HALF_SCALES"):  # on, also in a run forcing them off
+        monkeypatch.delenv(switch, raising=False)
     w = gguf_grid(37, 96, 3, kind)
     grouped = cpu_int8.quantize(w)
     # Q8_0's symmetric grid kept as it is (not re-quantized onto each group's min / max): bit for bit; Q4_1's to

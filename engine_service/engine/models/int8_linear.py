@@ -175,17 +175,17 @@ generated_rows: contextvars.ContextVar[int] = contextvars.ContextVar("generated_
 
 
 def projection_kernels(kernel: str) -> dict[str, str]:
-    """The kernel each projection runs on a model quantized for `kernel` ("fp16": HeadWeight; "avx2|fbgemm":
-    RowSplitWeight). On fbgemm where the avx2 kernel builds, generated tokens' rows run avx2 everywhere and only
-    the prompt tokens' rows of q/k/v and gate/up quantize their activations to int8 through fbgemm; o_proj,
-    down_proj and the head, whose inputs carry the outliers int8 activations handle worst, run avx2 (int16
-    activations) for every row. Without a C compiler, down_proj and the head fall back to fbgemm's fp16 weights
-    and o_proj to fbgemm."""
+    """The kernel each projection runs on a model quantized for `kernel` ("fp16": HeadWeight; "<isa>|fbgemm":
+    RowSplitWeight, its generated rows on our kernel's build for this CPU, "avx2" or "avx512"). On fbgemm where
+    our kernel builds, generated tokens' rows run it everywhere and only the prompt tokens' rows of q/k/v and
+    gate/up quantize their activations to int8 through fbgemm; o_proj, down_proj and the head, whose inputs carry
+    the outliers int8 activations handle worst, run our kernel (int16 activations) for every row. Without a C
+    compiler, down_proj and the head fall back to fbgemm's fp16 weights and o_proj to fbgemm."""
     if kernel != "fbgemm":
         return dict.fromkeys(PROJECTIONS, kernel)
     if cpu_int8.unavailable() is None:
         ours = cpu_int8.default_isa()
-        return {"qkv": "avx2|fbgemm", "o": ours, "gate_up": "avx2|fbgemm", "down": ours, "head": ours}
+        return {"qkv": f"{ours}|fbgemm", "o": ours, "gate_up": f"{ours}|fbgemm", "down": ours, "head": ours}
     return {"qkv": "fbgemm", "o": "fbgemm", "gate_up": "fbgemm", "down": "fp16", "head": "fp16"}
 
 
@@ -194,7 +194,7 @@ def quantized(weight: torch.Tensor, bias: torch.Tensor | None,
     """`weight` (and `bias`) as `kernel` multiplies by it: a projection_kernels value."""
     if kernel == "fp16":
         return HeadWeight(weight, bias)
-    if kernel == "avx2|fbgemm":
+    if kernel.endswith("|fbgemm"):
         return RowSplitWeight(weight, bias)
     return Int8Weight(weight, bias, kernel)
 
@@ -212,7 +212,8 @@ class RowSplitWeight:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         self.generated = Int8Weight(weight, bias, cpu_int8.default_isa())
         self.prompt = Int8Weight(weight, bias, "fbgemm")
-        self.kernel, self.scale, self.out_features = "avx2|fbgemm", self.generated.scale, weight.shape[0]
+        self.kernel = f"{self.generated.kernel}|fbgemm"
+        self.scale, self.out_features = self.generated.scale, weight.shape[0]
         self.group_bytes, self.matrix = self.generated.group_bytes, self.generated.matrix  # what decode rows read
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
