@@ -4,15 +4,12 @@ with q/k/v biases), it runs every decode step it can take, and anything it canno
 import pytest
 
 from engine_service import LLM, SamplingParams
-from engine_service.engine.models.fused_decode import FusedDecode
-from kernels import cpu_decode_attention, cpu_decoder, cpu_int8, cpu_layer_ops
+from engine_service.engine.models.fused_decode import FusedDecode, kernels_missing
+from kernels import cpu_int8
 from tests.helpers import GREEDY, random_prompt
 
-pytestmark = [pytest.mark.skipif(cpu_decoder.unavailable() is not None,
-                                 reason=f"no C kernels here: {cpu_decoder.unavailable()}"),
-              # a run with the PyTorch paths forced (DECODELAB_CPU_KERNELS=torch) has no fused path to test
-              pytest.mark.skipif(not (cpu_layer_ops.enabled() and cpu_decode_attention.enabled()),
-                                 reason="DECODELAB_CPU_KERNELS=torch: the C layer ops, so the fused path, are off")]
+# also where a run forces the PyTorch paths (DECODELAB_CPU_KERNELS=torch): there is no fused path to test
+pytestmark = pytest.mark.skipif(kernels_missing() is not None, reason=str(kernels_missing()))
 
 PARAMS = [SamplingParams(max_tokens=12, **GREEDY, logprobs=3),
           SamplingParams(max_tokens=12, mode="beam", beam_width=3, n=2, logprobs=2, ignore_eos=True),

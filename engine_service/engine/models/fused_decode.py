@@ -24,6 +24,15 @@ from engine_service.engine.models.int8_linear import Int8Weight, RowSplitWeight
 from kernels import cpu_decode_attention, cpu_decoder, cpu_layer_ops
 
 
+def kernels_missing() -> str | None:
+    """Why the one-call stack cannot run on this machine at all (its library, or the C ops it calls), or None."""
+    if (why := cpu_decoder.unavailable()) is not None:
+        return f"no C kernels here: {why}"
+    if not (cpu_layer_ops.enabled() and cpu_decode_attention.enabled()):
+        return "the C layer ops are off (DECODELAB_CPU_KERNELS=torch, or they do not build)"
+    return None
+
+
 def _generated_matrix(linear):
     """The cpu_int8.Matrix a Linear multiplies generated rows by, or None."""
     w = getattr(linear, "int8", None)
@@ -50,7 +59,7 @@ class FusedDecode:
     @classmethod
     def build(cls, model) -> FusedDecode | None:
         """The plan for `model` as it is now (weights quantized, caches bound), or None where it cannot run."""
-        if cpu_decoder.unavailable() is not None or not (cpu_layer_ops.enabled() and cpu_decode_attention.enabled()):
+        if kernels_missing() is not None:
             return None
         if model.config.model_type not in ("llama", "qwen2") or model.embed_tokens.weight.dtype != torch.float32:
             return None
