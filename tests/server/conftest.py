@@ -1,6 +1,7 @@
 """Service fixtures: the real engine on a tiny model, workers, replicas (the Redis server is tests/conftest.py's)."""
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import threading
@@ -97,6 +98,7 @@ def api(make_worker, redis_server, keys):
     """The replica's FastAPI app under a real uvicorn, in-process, over the in-process worker: (state, http)."""
     from engine_service.server.api.app import create_app
     from engine_service.server.api.state import ServiceState
+    from engine_service.server.engine_cmd import http_config
     from engine_service.server.metrics import ReplicaMetrics
     from shared.client import EngineClient
 
@@ -104,7 +106,8 @@ def api(make_worker, redis_server, keys):
     state = ServiceState("tiny", EngineClient(redis_server.url, keys), registry, drain_timeout=2)
     state.replica = make_worker(metrics=ReplicaMetrics(registry))
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="warning"))
+    args = argparse.Namespace(host="127.0.0.1", port=port, log_level="warning")
+    server = uvicorn.Server(http_config(create_app(state), args))  # the HTTP stack `engine` and `api` serve on
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     wait_until(lambda: server.started, 20, what="uvicorn started")
