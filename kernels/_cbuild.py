@@ -13,6 +13,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -24,7 +25,14 @@ import torch
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 
 
+X86 = ("x86_64", "amd64", "i386", "i686")
+
+
 def cpu_flags() -> set[str]:
+    """The x86 ISA flags /proc/cpuinfo lists; none for a process of another architecture, whose kernels could not
+    run the builds anyway (an arm64 container under QEMU on an x86 host reads the host's x86 flags there)."""
+    if platform.machine().lower() not in X86:
+        return set()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -58,6 +66,8 @@ def build(name: str, flags: tuple[str, ...] = (), needs: tuple[str, ...] = ()) -
     source = Path(__file__).with_name(f"{name}.c")
     if generic_cpu():
         return None, "DECODELAB_CPU_ISA=generic: treated as a CPU without AVX2 (an arm64 one, say)"
+    if platform.machine().lower() not in X86:
+        return None, f"not an x86 CPU ({platform.machine()}): the kernels are written for AVX2 and AVX-512"
     if lacking := missing(("avx2", "fma", "f16c", *needs)):
         return None, f"this CPU lacks {', '.join(lacking)} (or has no /proc/cpuinfo to say so)"
     cc = shutil.which(os.environ.get("CC") or "cc")

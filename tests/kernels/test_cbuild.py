@@ -22,6 +22,7 @@ def test_without_a_compiler_it_reports_why_and_does_not_build(name, monkeypatch,
 def test_a_build_for_instructions_the_cpu_lacks_names_them_and_is_not_built(monkeypatch, tmp_path):
     monkeypatch.setenv("DECODELAB_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(_cbuild, "cpu_flags", lambda: {"avx2", "fma", "f16c", "avx512f"})  # AVX-512 F without BW
+    monkeypatch.setattr(_cbuild.platform, "machine", lambda: "x86_64")  # as on x86, wherever the test runs
     lib, why = _cbuild.build("cpu_int8_avx512", ("-mavx512f", "-mavx512bw"), ("avx512f", "avx512bw"))
     assert lib is None and "lacks avx512bw" in why and "avx512f" not in why.split("lacks")[1]
     assert not any(tmp_path.rglob("*.so"))
@@ -38,3 +39,17 @@ def test_decodelab_cpu_kernels_chooses_between_them_and_the_torch_paths(monkeypa
     monkeypatch.setenv("DECODELAB_CPU_KERNELS", "fast")
     with pytest.raises(ValueError, match="expected avx2 or torch"):
         _cbuild.enabled(None)
+
+
+@pytest.mark.parametrize("machine", ["aarch64", "arm64", "ppc64le"])
+def test_a_process_of_another_architecture_builds_nothing_whatever_cpuinfo_lists(machine, monkeypatch, tmp_path):
+    """An arm64 container under QEMU on an x86 host reads the host's /proc/cpuinfo, avx2 and all: an x86 build
+    there would not load (a wrong ELF machine), so the architecture decides first."""
+    if not _cbuild.cpu_flags():
+        pytest.skip("no x86 flags in /proc/cpuinfo here to be misled by")
+    monkeypatch.setenv("DECODELAB_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(_cbuild.platform, "machine", lambda: machine)
+    assert _cbuild.cpu_flags() == set() and _cbuild.missing(("avx2",)) == ["avx2"]
+    lib, why = _cbuild.build("cpu_logits")
+    assert lib is None and f"not an x86 CPU ({machine})" in why
+    assert not any(tmp_path.rglob("*.so"))
