@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: play test lint install debs bench-anchors
+.PHONY: play test lint install debs bench-anchors test-arm64
 
 play: $(STAMP)
 	$(VENV)/bin/decodelab play
@@ -35,6 +35,13 @@ $(STAMP): pyproject.toml
 # (engine_service/bench/llamacpp_build.py). Never part of `make test`: it compiles llama.cpp twice (~40 min, 2 cores).
 bench-anchors: $(STAMP)
 	CMAKE_BUILD_PARALLEL_LEVEL=2 $(VENV)/bin/decodelab bench anchors --install --jobs 2
+
+# A CPU without AVX2, for real: the no-AVX2 test of the playground's engine (all four modes, HF's greedy tokens) and
+# the C kernels' build checks on arm64 Python 3.11 under QEMU user-mode emulation (tests/arm64/: Debian's arm64
+# python3.11 unpacked, aarch64 wheels). Not part of `make test`: emulated, the engine test takes ~15 minutes.
+test-arm64: $(STAMP)
+	tests/arm64/setup.sh
+	tests/arm64/run.sh -q -rs tests/engine/test_generic_cpu.py tests/kernels/test_cbuild.py
 
 # Debian packages the tests use: Chromium (the UI tests drive it headless) and SIMDe's headers (the AVX-512 int8
 # kernel's source built on portable intrinsics, so its tests run on CPUs without AVX-512: kernels/cpu_int8.py).
