@@ -21,6 +21,7 @@ def test_without_a_compiler_it_reports_why_and_does_not_build(name, monkeypatch,
 
 def test_a_build_for_instructions_the_cpu_lacks_names_them_and_is_not_built(monkeypatch, tmp_path):
     monkeypatch.setenv("DECODELAB_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("DECODELAB_CPU_ISA", raising=False)  # a run with the switch forced: what the CPU says
     monkeypatch.setattr(_cbuild, "cpu_flags", lambda: {"avx2", "fma", "f16c", "avx512f"})  # AVX-512 F without BW
     monkeypatch.setattr(_cbuild.platform, "machine", lambda: "x86_64")  # as on x86, wherever the test runs
     lib, why = _cbuild.build("cpu_int8_avx512", ("-mavx512f", "-mavx512bw"), ("avx512f", "avx512bw"))
@@ -48,6 +49,7 @@ def test_a_process_of_another_architecture_builds_nothing_whatever_cpuinfo_lists
     if not _cbuild.cpu_flags():
         pytest.skip("no x86 flags in /proc/cpuinfo here to be misled by")
     monkeypatch.setenv("DECODELAB_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("DECODELAB_CPU_ISA", raising=False)
     monkeypatch.setattr(_cbuild.platform, "machine", lambda: machine)
     assert _cbuild.cpu_flags() == set() and _cbuild.missing(("avx2",)) == ["avx2"]
     lib, why = _cbuild.build("cpu_logits")
