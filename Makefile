@@ -38,7 +38,7 @@ bench-anchors: $(STAMP)
 
 # A CPU without AVX2, for real: the no-AVX2 test of the playground's engine (all four modes, HF's greedy tokens) and
 # the C kernels' build checks on arm64 Python 3.11 under QEMU user-mode emulation (tests/arm64/: Debian's arm64
-# python3.11 unpacked, aarch64 wheels). Not part of `make test`: emulated, the engine test takes ~15 minutes.
+# python3.11 unpacked, aarch64 wheels). Not part of `make test`: emulated, it takes ~12 minutes (~10 for the engine test).
 test-arm64: $(STAMP)
 	tests/arm64/setup.sh
 	tests/arm64/run.sh -q -rs tests/engine/test_generic_cpu.py tests/kernels/test_cbuild.py
