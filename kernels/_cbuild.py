@@ -28,10 +28,15 @@ FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 X86 = ("x86_64", "amd64", "i386", "i686")
 
 
+def is_x86() -> bool:
+    """Whether this process runs x86 code: the only kind our kernels are written for."""
+    return platform.machine().lower() in X86
+
+
 def cpu_flags() -> set[str]:
     """The x86 ISA flags /proc/cpuinfo lists; none for a process of another architecture, whose kernels could not
     run the builds anyway (an arm64 container under QEMU on an x86 host reads the host's x86 flags there)."""
-    if platform.machine().lower() not in X86:
+    if not is_x86():
         return set()
     try:
         with open("/proc/cpuinfo") as f:
@@ -66,7 +71,7 @@ def build(name: str, flags: tuple[str, ...] = (), needs: tuple[str, ...] = ()) -
     source = Path(__file__).with_name(f"{name}.c")
     if generic_cpu():
         return None, "DECODELAB_CPU_ISA=generic: treated as a CPU without AVX2 (an arm64 one, say)"
-    if platform.machine().lower() not in X86:
+    if not is_x86():
         return None, f"not an x86 CPU ({platform.machine()}): the kernels are written for AVX2 and AVX-512"
     if lacking := missing(("avx2", "fma", "f16c", *needs)):
         return None, f"this CPU lacks {', '.join(lacking)} (or has no /proc/cpuinfo to say so)"

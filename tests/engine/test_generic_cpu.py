@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from kernels._cbuild import X86
+from kernels._cbuild import is_x86
 from tests.hf_oracle import assert_greedy_matches, hf_greedy
 
 SCRIPT = r"""
@@ -39,7 +39,7 @@ print(json.dumps({"why": why, "int8_kernel": int8_linear.int8_kernel(torch.devic
 
 @pytest.mark.slow
 def test_without_avx2_the_int8_playground_engine_runs_every_mode_on_pytorch_paths(smollm2_dir):
-    x86 = platform.machine().lower() in X86
+    x86 = is_x86()
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     for switch in ("DECODELAB_CPU_ISA", "DECODELAB_INT8_KERNEL", "DECODELAB_CPU_KERNELS"):
         env.pop(switch, None)
