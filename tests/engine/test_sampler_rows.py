@@ -1,12 +1,26 @@
 """The sampler's per-row work (sampler.py): top-k / top-p / min-p run only on the rows that ask for them, and
 top-k followed by top-p cuts inside the k largest logits instead of sorting the vocabulary. Both keep exactly
-the tokens Hugging Face's processors keep."""
+the tokens Hugging Face's processors keep. Rows that are all plain greedy take one C pass (sample_greedy) and get
+what the full sampler gives."""
+from dataclasses import replace
+
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import TopKLogitsWarper, TopPLogitsWarper
 
-from engine_service.engine.sampler import SamplingBatch, apply_top_k_top_p, process_logits, sample
+from engine_service import LLM, SamplingParams
+from engine_service.engine import llm_engine
+from engine_service.engine.sampler import (
+    SamplingBatch,
+    apply_top_k_top_p,
+    plain_greedy,
+    process_logits,
+    sample,
+    sample_greedy,
+)
+from kernels import cpu_logits
 
 
 def batch(rows: list[dict]) -> SamplingBatch:
@@ -69,3 +83,58 @@ def test_greedy_rows_draw_no_noise():
         mixed = sample(logits.clone(), mixed_rows).token_ids
         assert mixed[1] == alone[0]
         assert mixed[0] == logits[0].argmax() and mixed[2] == logits[2].argmax()
+
+
+@pytest.mark.skipif(not cpu_logits.enabled(), reason=f"no C logit statistics: {cpu_logits.unavailable}")
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2 ** 16), rows=st.integers(1, 6), vocab=st.integers(1, 300), n=st.integers(0, 6),
+       ties=st.booleans(), with_entropy=st.booleans())
+def test_the_greedy_fast_path_gives_what_the_full_sampler_gives(seed, rows, vocab, n, ties, with_entropy):
+    # ties (values on a coarse grid) and -inf logits included: the argmax goes to the lowest id, as torch's
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    if ties:
+        logits = logits.round()
+    logits[torch.rand(rows, vocab, generator=g) < 0.2] = float("-inf")
+    logits[:, 0] = logits[:, 0].clamp_min(-50.0)  # every row keeps a finite logit
+    n = min(n, vocab)
+    full = sample(logits.clone(), replace(batch([dict(temperature=0.0)] * rows), num_logprobs=n,
+                                          entropy=with_entropy))
+    fast = sample_greedy(logits.clone(), n, with_entropy)
+    assert torch.equal(fast.token_ids, full.token_ids)
+    assert torch.equal(fast.token_ids, logits.argmax(dim=1))
+    assert torch.equal(fast.logprobs, full.logprobs)
+    if n:
+        assert torch.equal(fast.top_ids, full.top_ids) and torch.equal(fast.top_logprobs, full.top_logprobs)
+    else:
+        assert fast.top_ids is None and full.top_ids is None
+    assert (fast.entropy is None) == (not with_entropy)
+    if with_entropy:
+        assert torch.equal(fast.entropy, full.entropy)
+
+
+@pytest.mark.parametrize("change", [dict(temperature=0.7), dict(mode="beam", beam_width=2, temperature=0.0),
+                                    dict(repetition_penalty=1.1), dict(presence_penalty=0.5),
+                                    dict(frequency_penalty=0.5), dict(logit_bias={3: 5.0}),
+                                    dict(sampler_stages=5), dict(min_tokens=4)])
+def test_a_row_that_anything_can_move_off_its_argmax_is_not_plain_greedy(change):
+    assert plain_greedy(SamplingParams(temperature=0.0, max_tokens=8), 0)
+    assert plain_greedy(SamplingParams(temperature=0.0, max_tokens=8, top_k=3, top_p=0.5, min_p=0.2, logprobs=5), 0)
+    assert not plain_greedy(SamplingParams(**{"temperature": 0.0, "max_tokens": 8, **change}), 0)
+    if "min_tokens" in change:  # the ban on stop tokens ends once min_tokens are out
+        assert plain_greedy(SamplingParams(temperature=0.0, max_tokens=8, min_tokens=4), 4)
+
+
+def test_the_engine_gives_the_same_greedy_outputs_with_the_fast_path_or_without(tiny_llama_dir, monkeypatch):
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=64, block_size=8, num_threads=1)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = [SamplingParams(temperature=0.0, max_tokens=12, logprobs=3, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, top_k=5)]
+    calls = []
+    monkeypatch.setattr(llm_engine, "sample_greedy", lambda *a: calls.append(1) or sample_greedy(*a))
+    fast = [o.outputs[0] for o in llm.generate(prompts, params)]
+    assert calls or not cpu_logits.enabled()
+    monkeypatch.setattr(llm_engine, "sample_greedy", lambda *a: None)  # every step through sample()
+    full = [o.outputs[0] for o in llm.generate(prompts, params)]
+    for a, b in zip(fast, full):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs and a.cumulative_logprob == b.cumulative_logprob
