@@ -174,13 +174,20 @@ class LLMEngine:
 
     def _sample(self, logits: torch.Tensor, items: list[tuple[Sequence, int]]) -> list[tuple]:
         """(token, its log-prob, top {id: log-prob} or None, entropy or None, masked mass or None, its sampler
-        pipeline or None) per item."""
+        pipeline or None) per item. Plain greedy rows (sampler.plain_greedy) go through sample_greedy, the rest
+        through sample() (greedy rows draw no noise: a sampled row's tokens do not depend on the split)."""
+        plain = [s.grammar is None and plain_greedy(s.request.params, s.num_output_tokens) for s, _ in items]
+        if any(plain) and not all(plain):
+            done = {flag: iter(self._sample_rows(logits, [it for it, p in zip(items, plain) if p == flag], flag))
+                    for flag in (True, False)}
+            return [next(done[p]) for p in plain]
+        return self._sample_rows(logits, items, all(plain))
+
+    def _sample_rows(self, logits: torch.Tensor, items: list[tuple[Sequence, int]], greedy: bool) -> list[tuple]:
         seqs = [s for s, _ in items]
         rows = logits[[r for _, r in items]]
         asked = [s.request.params.logprobs for s in seqs]
-        out = None
-        if all(s.grammar is None and plain_greedy(s.request.params, s.num_output_tokens) for s in seqs):
-            out = sample_greedy(rows, max(k or 0 for k in asked), any(k is not None for k in asked))
+        out = sample_greedy(rows, max(k or 0 for k in asked), any(k is not None for k in asked)) if greedy else None
         if out is None:
             out = sample(rows, self._sampling_batch(seqs))
         ents = out.entropy.tolist() if out.entropy is not None else [None] * len(items)

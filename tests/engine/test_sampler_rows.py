@@ -125,10 +125,14 @@ def test_a_row_that_anything_can_move_off_its_argmax_is_not_plain_greedy(change)
         assert plain_greedy(SamplingParams(temperature=0.0, max_tokens=8, min_tokens=4), 4)
 
 
-def test_the_engine_gives_the_same_greedy_outputs_with_the_fast_path_or_without(tiny_llama_dir, monkeypatch):
+def test_the_engine_gives_the_same_outputs_with_the_greedy_fast_path_or_without(tiny_llama_dir, monkeypatch):
+    # plain greedy rows beside a seeded sampled row and a penalised greedy one: the batch is split between
+    # sample_greedy and sample(), and every row gets what sample() alone gives it
     llm = LLM(str(tiny_llama_dir), num_kv_blocks=64, block_size=8, num_threads=1)
-    prompts = ["The capital of France is", "def fibonacci(n):"]
-    params = [SamplingParams(temperature=0.0, max_tokens=12, logprobs=3, ignore_eos=True),
+    prompts = ["Once upon a time", "The capital of France is", "Readability counts.", "def fibonacci(n):"]
+    params = [SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=7, max_tokens=12, logprobs=2, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=12, logprobs=3, ignore_eos=True),
+              SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=12, ignore_eos=True),
               SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, top_k=5)]
     calls = []
     monkeypatch.setattr(llm_engine, "sample_greedy", lambda *a: calls.append(1) or sample_greedy(*a))
@@ -138,3 +142,5 @@ def test_the_engine_gives_the_same_greedy_outputs_with_the_fast_path_or_without(
     full = [o.outputs[0] for o in llm.generate(prompts, params)]
     for a, b in zip(fast, full):
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs and a.cumulative_logprob == b.cumulative_logprob
+    alone = [llm.generate([p], [sp])[0].outputs[0] for p, sp in zip(prompts, params)]  # each row its own batch
+    assert [a.token_ids for a in fast] == [a.token_ids for a in alone]
