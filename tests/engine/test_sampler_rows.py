@@ -1,8 +1,9 @@
 """The sampler's per-row work (sampler.py): top-k / top-p / min-p run only on the rows that ask for them, and
 top-k followed by top-p cuts inside the k largest logits instead of sorting the vocabulary. Both keep exactly
-the tokens Hugging Face's processors keep. Rows that are all plain greedy take one C pass (sample_greedy) and get
-what the full sampler gives."""
+the tokens Hugging Face's processors keep, as does top-p alone without sorting the vocabulary. Rows that are all
+plain greedy take one C pass (sample_greedy) and get what the full sampler gives."""
 from dataclasses import replace
+from unittest import mock
 
 import pytest
 import torch
@@ -15,6 +16,8 @@ from engine_service.engine import llm_engine
 from engine_service.engine.sampler import (
     SamplingBatch,
     apply_top_k_top_p,
+    apply_top_p,
+    apply_top_p_partial,
     plain_greedy,
     process_logits,
     sample,
@@ -144,3 +147,24 @@ def test_the_engine_gives_the_same_outputs_with_the_greedy_fast_path_or_without(
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs and a.cumulative_logprob == b.cumulative_logprob
     alone = [llm.generate([p], [sp])[0].outputs[0] for p, sp in zip(prompts, params)]  # each row its own batch
     assert [a.token_ids for a in fast] == [a.token_ids for a in alone]
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 2 ** 16), vocab=st.integers(2, 3000), rows=st.integers(1, 4),
+       top_p=st.sampled_from([0.99, 0.95, 0.9, 0.5, 0.1, 1e-4]), scale=st.sampled_from([0.2, 1.0, 3.0, 8.0]),
+       first_k=st.sampled_from([1, 4, 64]), masked=st.booleans(), c_kernel=st.booleans())
+def test_top_p_without_a_sort_keeps_the_tokens_hf_keeps(seed, vocab, rows, top_p, scale, first_k, masked, c_kernel):
+    # flat rows (scale 0.2) reach the sort, peaked ones (8.0) stop at the first k; -inf logits as a grammar or
+    # top-k leaves them; the k largest from the C kernel or from torch.topk
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=g) * scale
+    if masked:
+        logits[torch.rand(rows, vocab, generator=g) < 0.5] = float("-inf")
+        logits[:, 0] = logits[:, 0].clamp_min(-30.0)
+    with mock.patch.object(cpu_logits, "applies", cpu_logits.applies if c_kernel else lambda x: False):
+        ours = apply_top_p_partial(logits, torch.full((rows,), top_p), first_k=first_k)
+    for i in range(rows):
+        theirs = TopPLogitsWarper(top_p)(None, logits[i][None].clone())[0]
+        assert torch.equal(ours[i].isfinite(), theirs.isfinite())
+        assert torch.equal(ours[i][theirs.isfinite()], logits[i][theirs.isfinite()])
+    assert torch.equal(ours, apply_top_p(logits, torch.full((rows,), top_p)))
