@@ -42,6 +42,8 @@ def mode_params(args, has_draft: bool) -> dict[str, SamplingParams]:
     k, m = args.num_speculative_tokens, args.max_tokens
     modes = {"greedy": SamplingParams(temperature=0, max_tokens=m),
              "sample": SamplingParams(temperature=0.8, seed=0, max_tokens=m),
+             # top_p without top_k, as OpenAI clients send it: the cut without a vocabulary sort on a CPU
+             "sample top_p=0.95": SamplingParams(temperature=0.8, top_p=0.95, seed=0, max_tokens=m),
              "sample n=4": SamplingParams(n=4, temperature=0.8, seed=0, max_tokens=m)}
     for w in (int(x) for x in args.beam_widths.split(",")):
         modes[f"beam W={w}"] = SamplingParams(mode="beam", beam_width=w, max_tokens=m)
