@@ -260,8 +260,9 @@ class EngineClient:
                 # sleep until an event, the next silence check or the deadline: thousands of waiting streams must
                 # not each wake up several times a second
                 wait = min(self.recover_after - (time.monotonic() - last_heard), end - time.monotonic())
-                try:
-                    data = await asyncio.wait_for(sub.events.get(), max(0.01, wait))
+                try:  # (asyncio.timeout, not wait_for: no task created per event)
+                    async with asyncio.timeout(max(0.01, wait)):
+                        data = await sub.events.get()
                 except TimeoutError:
                     continue
                 if data is RECONNECTED:  # events may have been lost while the connection was down
