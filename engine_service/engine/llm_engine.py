@@ -17,7 +17,7 @@ from engine_service.engine.outputs import RequestOutput, request_output
 from engine_service.engine.prompt_logprobs import positions_to_score, score_prompt
 from engine_service.engine.proposers import DraftModel
 from engine_service.engine.roofline import CostModel, StepRecord, StepShape
-from engine_service.engine.sampler import SamplingBatch, entropy, plain_greedy, process_logits, sample, sample_greedy
+from engine_service.engine.sampler import SamplingBatch, entropy, process_logits, sample
 from engine_service.engine.sampling_params import SamplingParams
 from engine_service.engine.scheduler import Scheduler
 from engine_service.engine.sequence import Request, Sequence, SpecStats
@@ -174,22 +174,10 @@ class LLMEngine:
 
     def _sample(self, logits: torch.Tensor, items: list[tuple[Sequence, int]]) -> list[tuple]:
         """(token, its log-prob, top {id: log-prob} or None, entropy or None, masked mass or None, its sampler
-        pipeline or None) per item. Plain greedy rows (sampler.plain_greedy) go through sample_greedy, the rest
-        through sample() (greedy rows draw no noise: a sampled row's tokens do not depend on the split)."""
-        plain = [s.grammar is None and plain_greedy(s.request.params, s.num_output_tokens) for s, _ in items]
-        if any(plain) and not all(plain):
-            done = {flag: iter(self._sample_rows(logits, [it for it, p in zip(items, plain) if p == flag], flag))
-                    for flag in (True, False)}
-            return [next(done[p]) for p in plain]
-        return self._sample_rows(logits, items, all(plain))
-
-    def _sample_rows(self, logits: torch.Tensor, items: list[tuple[Sequence, int]], greedy: bool) -> list[tuple]:
+        pipeline or None) per item."""
         seqs = [s for s, _ in items]
-        rows = logits[[r for _, r in items]]
         asked = [s.request.params.logprobs for s in seqs]
-        out = sample_greedy(rows, max(k or 0 for k in asked), any(k is not None for k in asked)) if greedy else None
-        if out is None:
-            out = sample(rows, self._sampling_batch(seqs))
+        out = sample(logits[[r for _, r in items]], self._sampling_batch(seqs))
         ents = out.entropy.tolist() if out.entropy is not None else [None] * len(items)
         masked = out.masked or [None] * len(items)
         stages = out.stages or [None] * len(items)

@@ -11,7 +11,7 @@ whatever else is in the batch (the exponential-race trick: argmax(p / E), E ~ Ex
 """
 import hashlib
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -62,12 +62,17 @@ class SamplingBatch:
             outputs = torch.tensor([g + [-1] * (width - len(g)) for g in generated], dtype=torch.int64)
             presence = torch.tensor([float(p.presence_penalty) for p in ps])
             frequency = torch.tensor([float(p.frequency_penalty) for p in ps])
+        # the float columns as the rows of one tensor (each contiguous): a torch.tensor call costs ~8 us, and this
+        # runs every step
+        temperature, top_p, min_p, repetition_penalty = torch.tensor([
+            [0.0 if p.greedy else p.temperature for p in ps], [p.top_p for p in ps], [p.min_p for p in ps],
+            [p.repetition_penalty for p in ps]])
         return cls(
-            temperature=torch.tensor([0.0 if p.greedy else p.temperature for p in ps]),
+            temperature=temperature,
             top_k=torch.tensor([p.top_k for p in ps]),
-            top_p=torch.tensor([p.top_p for p in ps]),
-            min_p=torch.tensor([p.min_p for p in ps]),
-            repetition_penalty=torch.tensor([p.repetition_penalty for p in ps]),
+            top_p=top_p,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
             seen_tokens=seen,
             banned_tokens=[sorted(stop_ids(p)) if s.num_output_tokens < p.min_tokens else []
                            for s, p in zip(seqs, ps)],
@@ -87,6 +92,21 @@ class SamplingBatch:
         return replace(self, **{name: getattr(self, name).to(device) for name in (
             "temperature", "top_k", "top_p", "min_p", "repetition_penalty")},
             **{name: None if getattr(self, name) is None else getattr(self, name).to(device) for name in optional})
+
+
+    def take(self, rows: list[int]) -> "SamplingBatch":
+        """The batch of these rows only: every per-row tensor and list indexed, the batch-wide fields (num_logprobs,
+        entropy) kept, so outputs of parts of a batch have the same shapes. Not for a batch with a grammar (its
+        masks are laid out by row)."""
+        assert self.grammar is None
+        idx = torch.tensor(rows, dtype=torch.int64)
+
+        def pick(v):
+            if isinstance(v, torch.Tensor):
+                return v[idx.to(v.device)]
+            return [v[r] for r in rows] if isinstance(v, list) else v
+
+        return replace(self, **{f.name: pick(getattr(self, f.name)) for f in fields(self)})
 
 
 @dataclass
@@ -317,6 +337,20 @@ def _penalised_rows(b: SamplingBatch) -> list[int]:
 
 
 def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
+    """One token per row, with its raw log-prob (and the batch's top-N and entropies where asked). Plain greedy
+    rows (plain_rows) take one C pass (_sample_greedy) and the rest the processors; what each row gets does not
+    depend on the split (greedy rows draw no noise)."""
+    plain = plain_rows(b) if cpu_logits.applies(logits) else []
+    if len(plain) == logits.shape[0]:
+        return _sample_greedy(logits, b)
+    if not plain:
+        return _sample_full(logits, b)
+    n, chosen = logits.shape[0], set(plain)
+    rest = [r for r in range(n) if r not in chosen]
+    return _merge(n, plain, _sample_greedy(logits[plain], b), rest, _sample_full(logits[rest], b.take(rest)))
+
+
+def _sample_full(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
     # the raw log-probs' statistics in two C passes where it runs (kernels/cpu_logits.c); a grammar's masked mass
     # needs the full log-prob rows
     stats = cpu_logits.logit_stats(logits, b.num_logprobs) if b.grammar is None and cpu_logits.applies(logits) else None
@@ -349,25 +383,45 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
                          stages)
 
 
-def plain_greedy(params: SamplingParams, num_output_tokens: int) -> bool:
-    """Whether a row's token is the argmax of its raw logits: greedy, with nothing that moves the argmax (no
-    penalty, bias, min_tokens ban or sampler pipeline; top-k, top-p and min-p keep the largest logit, and greedy
-    rows take no temperature). The caller checks the grammar."""
-    return (params.greedy and params.repetition_penalty == 1.0 and not params.presence_penalty
-            and not params.frequency_penalty and not params.logit_bias and not params.sampler_stages
-            and num_output_tokens >= params.min_tokens)
+def plain_rows(b: SamplingBatch) -> list[int]:
+    """The rows whose token is the argmax of their raw logits: greedy (no temperature), and nothing process_logits
+    runs first can move it: no penalty, bias or min_tokens ban (_penalised_rows, the rows `_penalties` changes), no
+    grammar in the batch, no sampler pipeline to trace. Top-k, top-p and min-p keep the largest logit (every one
+    of them on a tie), so they cannot."""
+    if b.grammar is not None:
+        return []
+    greedy = [r for r, t in enumerate(b.temperature.tolist()) if t < SAMPLING_EPS]  # (a few rows: no nonzero())
+    moved = set(_penalised_rows(b)) | {r for r, n in enumerate(b.stages or []) if n}
+    return [r for r in greedy if r not in moved]
 
 
-def sample_greedy(logits: torch.Tensor, num_logprobs: int, with_entropy: bool) -> SamplerOutput | None:
-    """sample() for rows that are all plain_greedy: one pass set in C gives the argmax (the first of the top ids:
-    ties go to the lowest id, as torch.argmax), its log-prob and the rest, with none of process_logits' per-row
-    bookkeeping (~0.8 ms of a one-stream step on the 2-core target). None where the C kernel does not apply."""
-    if not cpu_logits.applies(logits):
-        return None
-    _, ent, ids, lp = cpu_logits.logit_stats(logits, max(1, num_logprobs))
-    top = num_logprobs > 0
-    return SamplerOutput(ids[:, 0], lp[:, 0], ids if top else None, lp if top else None,
-                         ent if with_entropy else None)
+def _sample_greedy(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
+    """sample() for plain rows (see cpu_logits.applies): one pass set in C gives the argmax (the first of the top
+    ids: ties go to the lowest id, as torch.argmax), its log-prob, the top-N and the entropy, with none of
+    process_logits' per-row bookkeeping (~0.8 ms of a one-stream step on the 2-core target)."""
+    _, ent, ids, lp = cpu_logits.logit_stats(logits, max(1, b.num_logprobs))
+    top = b.num_logprobs > 0
+    return SamplerOutput(ids[:, 0], lp[:, 0], ids if top else None, lp if top else None, ent if b.entropy else None)
+
+
+def _merge(n: int, a_rows: list[int], a: SamplerOutput, b_rows: list[int], b: SamplerOutput) -> SamplerOutput:
+    """Two outputs of parts of one batch (take() keeps their shapes alike) as the batch's, row by row."""
+    def put(x: torch.Tensor | None, y: torch.Tensor | None) -> torch.Tensor | None:
+        if x is None:
+            assert y is None
+            return None
+        out = x.new_empty((n, *x.shape[1:]))
+        out[a_rows], out[b_rows] = x, y.to(x.dtype)
+        return out
+
+    stages = None
+    if b.stages is not None:
+        stages = [None] * n
+        for r, st in zip(b_rows, b.stages):
+            stages[r] = st
+    assert a.masked is None and b.masked is None  # (no split with a grammar)
+    return SamplerOutput(put(a.token_ids, b.token_ids), put(a.logprobs, b.logprobs), put(a.top_ids, b.top_ids),
+                         put(a.top_logprobs, b.top_logprobs), put(a.entropy, b.entropy), None, stages)
 
 
 def _race(row: torch.Tensor, generator: torch.Generator | None, cut: bool) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """The sampler's per-row work (sampler.py): top-k / top-p / min-p run only on the rows that ask for them, and
 top-k followed by top-p cuts inside the k largest logits instead of sorting the vocabulary. Both keep exactly
 the tokens Hugging Face's processors keep, as does top-p alone without sorting the vocabulary. Rows that are all
-plain greedy take one C pass (sample_greedy) and get what the full sampler gives."""
+plain greedy take one C pass inside sample() and get what the full sampler gives, alone or beside any other rows."""
 from dataclasses import replace
+from types import SimpleNamespace
 from unittest import mock
 
 import pytest
@@ -12,16 +13,15 @@ from hypothesis import strategies as st
 from transformers import TopKLogitsWarper, TopPLogitsWarper
 
 from engine_service import LLM, SamplingParams
-from engine_service.engine import llm_engine
+from engine_service.engine import sampler
 from engine_service.engine.sampler import (
     SamplingBatch,
     apply_top_k_top_p,
     apply_top_p,
     apply_top_p_partial,
-    plain_greedy,
+    plain_rows,
     process_logits,
     sample,
-    sample_greedy,
 )
 from kernels import cpu_logits
 
@@ -101,9 +101,10 @@ def test_the_greedy_fast_path_gives_what_the_full_sampler_gives(seed, rows, voca
     logits[torch.rand(rows, vocab, generator=g) < 0.2] = float("-inf")
     logits[:, 0] = logits[:, 0].clamp_min(-50.0)  # every row keeps a finite logit
     n = min(n, vocab)
-    full = sample(logits.clone(), replace(batch([dict(temperature=0.0)] * rows), num_logprobs=n,
-                                          entropy=with_entropy))
-    fast = sample_greedy(logits.clone(), n, with_entropy)
+    b = replace(batch([dict(temperature=0.0)] * rows), num_logprobs=n, entropy=with_entropy)
+    assert plain_rows(b) == list(range(rows))
+    full = sampler._sample_full(logits.clone(), b)
+    fast = sample(logits.clone(), b)
     assert torch.equal(fast.token_ids, full.token_ids)
     assert torch.equal(fast.token_ids, logits.argmax(dim=1))
     assert torch.equal(fast.logprobs, full.logprobs)
@@ -116,21 +117,66 @@ def test_the_greedy_fast_path_gives_what_the_full_sampler_gives(seed, rows, voca
         assert torch.equal(fast.entropy, full.entropy)
 
 
-@pytest.mark.parametrize("change", [dict(temperature=0.7), dict(mode="beam", beam_width=2, temperature=0.0),
-                                    dict(repetition_penalty=1.1), dict(presence_penalty=0.5),
+def seqs(params: list[SamplingParams], seed: int, outputs: int = 3) -> list[SimpleNamespace]:
+    """Stand-ins for the engine's sequences (what SamplingBatch.of reads): 6 prompt tokens, `outputs` generated,
+    a seeded generator per sampled row (so a row draws the same noise however the batch is split)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i, p in enumerate(params):
+        ids = torch.randint(0, 40, (6 + outputs,), generator=g).tolist()
+        gen = torch.Generator().manual_seed(seed + i) if p.temperature > 0 else None
+        out.append(SimpleNamespace(request=SimpleNamespace(params=p), token_ids=ids, num_tokens=len(ids),
+                                   num_output_tokens=outputs, generator=gen))
+    return out
+
+
+def stop_ids(params: SamplingParams) -> set[int]:
+    return {0}
+
+
+@pytest.mark.parametrize("change", [dict(temperature=0.7), dict(repetition_penalty=1.1), dict(presence_penalty=0.5),
                                     dict(frequency_penalty=0.5), dict(logit_bias={3: 5.0}),
-                                    dict(sampler_stages=5), dict(min_tokens=4)])
-def test_a_row_that_anything_can_move_off_its_argmax_is_not_plain_greedy(change):
-    assert plain_greedy(SamplingParams(temperature=0.0, max_tokens=8), 0)
-    assert plain_greedy(SamplingParams(temperature=0.0, max_tokens=8, top_k=3, top_p=0.5, min_p=0.2, logprobs=5), 0)
-    assert not plain_greedy(SamplingParams(**{"temperature": 0.0, "max_tokens": 8, **change}), 0)
+                                    dict(sampler_stages=5, logprobs=5), dict(min_tokens=4)])
+def test_a_row_that_anything_can_move_off_its_argmax_is_not_plain(change):
+    params = [SamplingParams(temperature=0.0, max_tokens=8),
+              SamplingParams(temperature=0.0, max_tokens=8, top_k=3, top_p=0.5, min_p=0.2, logprobs=5),
+              SamplingParams(**{"temperature": 0.0, "max_tokens": 8, **change})]
+    assert plain_rows(SamplingBatch.of(seqs(params, 0), stop_ids)) == [0, 1]
     if "min_tokens" in change:  # the ban on stop tokens ends once min_tokens are out
-        assert plain_greedy(SamplingParams(temperature=0.0, max_tokens=8, min_tokens=4), 4)
+        assert plain_rows(SamplingBatch.of(seqs(params, 0, outputs=4), stop_ids)) == [0, 1, 2]
+    # a grammar's masks are laid out by row: a batch with one is not split
+    assert plain_rows(replace(SamplingBatch.of(seqs(params[:2], 0), stop_ids), grammar=object())) == []
+
+
+ROW = st.fixed_dictionaries({
+    "temperature": st.sampled_from([0.0, 0.0, 0.8, 1.0]), "top_k": st.sampled_from([-1, 5]),
+    "top_p": st.sampled_from([1.0, 0.9]), "repetition_penalty": st.sampled_from([1.0, 1.0, 1.3]),
+    "presence_penalty": st.sampled_from([0.0, 0.0, 0.5]), "logit_bias": st.sampled_from([None, None, {3: 5.0}]),
+    "min_tokens": st.sampled_from([0, 0, 5]), "sampler_stages": st.sampled_from([0, 0, 3]),
+    "logprobs": st.sampled_from([None, 0, 2])})
+
+
+@pytest.mark.skipif(not cpu_logits.enabled(), reason=f"no C logit statistics: {cpu_logits.unavailable}")
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2 ** 16), rows=st.lists(ROW, min_size=1, max_size=6), ties=st.booleans())
+def test_a_batch_split_between_the_fast_path_and_the_processors_gives_each_row_its_own(seed, rows, ties):
+    # the split (plain rows in C, the rest through the processors, merged back) against every row through the
+    # processors: the same tokens, log-probs, top-N, entropies and pipelines, bit for bit
+    params = [SamplingParams(max_tokens=8, **r) for r in rows]
+    logits = torch.randn(len(rows), 60, generator=torch.Generator().manual_seed(seed)) * 3
+    if ties:
+        logits = logits.round()
+    split = sample(logits.clone(), SamplingBatch.of(seqs(params, seed), stop_ids))
+    full = sampler._sample_full(logits.clone(), SamplingBatch.of(seqs(params, seed), stop_ids))
+    for name in ("token_ids", "logprobs", "top_ids", "top_logprobs", "entropy"):
+        a, b = getattr(split, name), getattr(full, name)
+        assert (a is None and b is None) or torch.equal(a, b), name
+    assert split.stages == full.stages
 
 
 def test_the_engine_gives_the_same_outputs_with_the_greedy_fast_path_or_without(tiny_llama_dir, monkeypatch):
-    # plain greedy rows beside a seeded sampled row and a penalised greedy one: the batch is split between
-    # sample_greedy and sample(), and every row gets what sample() alone gives it
+    # plain greedy rows beside a seeded sampled row and a penalised greedy one: the batch is split between the C
+    # pass and the processors, and every row gets what the processors alone give it
     llm = LLM(str(tiny_llama_dir), num_kv_blocks=64, block_size=8, num_threads=1)
     prompts = ["Once upon a time", "The capital of France is", "Readability counts.", "def fibonacci(n):"]
     params = [SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=7, max_tokens=12, logprobs=2, ignore_eos=True),
@@ -138,10 +184,11 @@ def test_the_engine_gives_the_same_outputs_with_the_greedy_fast_path_or_without(
               SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=12, ignore_eos=True),
               SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, top_k=5)]
     calls = []
-    monkeypatch.setattr(llm_engine, "sample_greedy", lambda *a: calls.append(1) or sample_greedy(*a))
+    fast_path = sampler._sample_greedy
+    monkeypatch.setattr(sampler, "_sample_greedy", lambda *a: calls.append(1) or fast_path(*a))
     fast = [o.outputs[0] for o in llm.generate(prompts, params)]
     assert calls or not cpu_logits.enabled()
-    monkeypatch.setattr(llm_engine, "sample_greedy", lambda *a: None)  # every step through sample()
+    monkeypatch.setattr(sampler, "plain_rows", lambda b: [])  # every row of every step through the processors
     full = [o.outputs[0] for o in llm.generate(prompts, params)]
     for a, b in zip(fast, full):
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs and a.cumulative_logprob == b.cumulative_logprob
