@@ -3,7 +3,7 @@
 The anchor of issue 25: `llama-server -np 8` (8 parallel slots, continuous batching), built from the llama.cpp that
 llama-cpp-python vendors with this CPU's GGML flags (bench/llamacpp_build.py), on the same GGUF file our engine
 loads, with the same threads. Ours: a private Redis and one `decodelab engine` replica (int8 unless told; its own
-OpenAI API, or `--via front` through `decodelab api`). One server at a time, so neither steals the other's cores.
+OpenAI API, or `--via front` through `decodelab api`).
 
 Per server, with the `openai` client: a warm-up; `--runs` single streams (TPOT = (last text chunk - first) /
 (tokens - 1), the median over runs); then `--runs` bursts of `--streams` concurrent streaming completions, greedy
@@ -11,6 +11,11 @@ Per server, with the `openai` client: a warm-up; `--runs` single streams (TPOT =
 prompt cache hit between runs). A burst's aggregate tok/s = generated tokens / wall time (first request sent to last
 stream done); the JSON has every run, the best and the median, and ours / llama-server's ratios. Tokens are the
 server's `usage.completion_tokens`, else the count of text chunks.
+
+`--order interleaved` (the default): both servers up, idle between their turns, and each run of one taken right
+after the same run of the other (the order flipping every run), so that each pair shares a minute of the machine:
+a 2-core box drifts 1.5x within an hour, more than the ratio we look for. The JSON's `paired` ratios are the
+medians of each pair's ratio. `--order sequential`: one server at a time, all its runs, then the other.
 
 Both servers are stopped at the end and on any error (each runs in its own process group; `Stack.stop`).
 Writes benchmarks/results/aggregate.json and aggregate.png.
@@ -24,7 +29,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,6 +54,8 @@ def add_parser(bench_sub, add_engine_args) -> None:
                    help="ours through the replica's own API (one process, as llama-server) or `decodelab api`")
     p.add_argument("--llama-server", default=None, help="a llama-server binary (default: build this CPU's, cached)")
     p.add_argument("--skip", default="", help="comma-separated: llama, ours (e.g. to time one side)")
+    p.add_argument("--order", default="interleaved", choices=["interleaved", "sequential"],
+                   help="interleaved: both servers up, each run of one beside the same run of the other")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results")
     p.set_defaults(func=run)
@@ -90,6 +97,11 @@ def ratios(ours: dict, theirs: dict) -> dict:
     out = {"aggregate_best": ours["aggregate"]["best"] / theirs["aggregate"]["best"],
            "aggregate_median": ours["aggregate"]["median"] / theirs["aggregate"]["median"],
            "single_stream": ours["single_stream"]["tok_per_s"] / theirs["single_stream"]["tok_per_s"]}
+    if ours.get("paired") and theirs.get("paired"):  # run i of one beside run i of the other
+        pairs = zip(ours["aggregate"]["runs"], theirs["aggregate"]["runs"], strict=True)
+        singles = zip(ours["single_stream"]["runs"], theirs["single_stream"]["runs"], strict=True)
+        out["paired"] = {"aggregate_median": median([a["tok_per_s"] / b["tok_per_s"] for a, b in pairs]),
+                         "single_stream_median": median([b["tpot_ms"] / a["tpot_ms"] for a, b in singles])}
     out["goals_met"] = {"aggregate": out["aggregate_best"] >= GOALS["aggregate"],
                         "single_stream": out["single_stream"] >= GOALS["single_stream"]}
     return out
@@ -120,34 +132,54 @@ async def stream_one(client, model: str, prompt: str, max_tokens: int) -> Stream
     return trace
 
 
-async def measure(base_url: str, model: str, args, label: str) -> dict:
-    """Warm-up, single streams, then bursts of `args.streams`; prints as it goes."""
+def run_order(labels: list[str], r: int) -> list[str]:
+    """Who goes first in run r: flipped every run, so a drifting machine favours neither side."""
+    return labels if r % 2 == 0 else labels[::-1]
+
+
+async def measure(sides: dict[str, tuple[str, str]], args) -> dict[str, dict]:
+    """label -> (base URL, model name): warm-ups, single streams, then bursts of `args.streams`, run by run, each
+    run of every side in turn (the order flipping every run); prints as it goes."""
     from openai import AsyncOpenAI
 
     # retries: a pooled keep-alive connection the server has just closed fails before any byte comes back (seen once
     # with llama-server at the first burst); the client then sends the request again, nothing counted twice
-    client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", timeout=900, max_retries=2)
+    clients = {label: AsyncOpenAI(base_url=f"{url}/v1", api_key="none", timeout=900, max_retries=2)
+               for label, (url, _) in sides.items()}
+    singles: dict[str, list] = {label: [] for label in sides}
+    bursts: dict[str, list] = {label: [] for label in sides}
+
+    def turns(r: int) -> list[tuple[str, object, str]]:
+        return [(label, clients[label], sides[label][1]) for label in run_order(list(sides), r)]
+
     try:
-        await asyncio.gather(*(stream_one(client, model, p, 4) for p in prompts_for(-1, 2, 8)))  # warm-up
-        singles = []
+        for _, client, model in turns(0):  # warm-up
+            await asyncio.gather(*(stream_one(client, model, p, 4) for p in prompts_for(-1, 2, 8)))
         for r in range(args.runs):
-            trace = await stream_one(client, model, prompts_for(1000 + args.seed + r, 1, args.prompt_words)[0],
-                                     args.max_tokens)
-            singles.append({"tpot_ms": tpot_s(trace) * 1e3, "tokens": trace.tokens, "finish": trace.finish})
-        tpot = median([s["tpot_ms"] for s in singles])
-        print(f"{label}: single stream TPOT {tpot:.2f} ms ({1e3 / tpot:.1f} tok/s)", flush=True)
-        bursts = []
+            for label, client, model in turns(r):
+                trace = await stream_one(client, model, prompts_for(1000 + args.seed + r, 1, args.prompt_words)[0],
+                                         args.max_tokens)
+                singles[label].append({"tpot_ms": tpot_s(trace) * 1e3, "tokens": trace.tokens,
+                                       "finish": trace.finish})
+                print(f"{label}: single stream, run {r + 1}: TPOT {singles[label][-1]['tpot_ms']:.2f} ms", flush=True)
         for r in range(args.runs):
             prompts = prompts_for(args.seed + r, args.streams, args.prompt_words)
-            bursts.append(burst_summary(list(await asyncio.gather(
-                *(stream_one(client, model, p, args.max_tokens) for p in prompts)))))
-            print(f"{label}: {args.streams} streams, run {r + 1}: {bursts[-1]['tok_per_s']:.1f} tok/s "
-                  f"({bursts[-1]['tokens']} tokens in {bursts[-1]['wall_s']:.2f} s, finish {bursts[-1]['finish']})",
-                  flush=True)
+            for label, client, model in turns(r):
+                b = burst_summary(list(await asyncio.gather(
+                    *(stream_one(client, model, p, args.max_tokens) for p in prompts))))
+                bursts[label].append(b)
+                print(f"{label}: {args.streams} streams, run {r + 1}: {b['tok_per_s']:.1f} tok/s "
+                      f"({b['tokens']} tokens in {b['wall_s']:.2f} s, finish {b['finish']})", flush=True)
     finally:
-        await client.close()
-    return {"single_stream": {"tpot_ms": tpot, "tok_per_s": 1e3 / tpot, "runs": singles},
-            "aggregate": best_and_median(bursts)}
+        for client in clients.values():
+            await client.close()
+    out = {}
+    for label in sides:
+        tpot = median([x["tpot_ms"] for x in singles[label]])
+        print(f"{label}: single stream TPOT {tpot:.2f} ms ({1e3 / tpot:.1f} tok/s), median of {args.runs}", flush=True)
+        out[label] = {"single_stream": {"tpot_ms": tpot, "tok_per_s": 1e3 / tpot, "runs": singles[label]},
+                      "aggregate": best_and_median(bursts[label]), "paired": len(sides) > 1}
+    return out
 
 
 # ---- the servers
@@ -222,27 +254,42 @@ def run(args) -> int:
     res = {"benchmark": "aggregate", "model": args.model, "gguf": str(gguf), "threads": args.threads,
            "streams": args.streams, "max_tokens": args.max_tokens, "prompt_words": args.prompt_words,
            "runs": args.runs, "cpu": cpu_info()}
-    if "llama" not in skip:
-        binary = Path(args.llama_server) if args.llama_server else llamacpp_build.build_server(build)
-        from engine_service.server.redis_server import free_port
+    with ExitStack() as servers:
+        sides: dict[str, tuple[str, str]] = {}
+        if "llama" not in skip:
+            binary = Path(args.llama_server) if args.llama_server else llamacpp_build.build_server(build)
+            from engine_service.server.redis_server import free_port
 
-        port = free_port()
-        argv = llama_server_argv(binary, gguf, args.streams, args.ctx_per_slot, args.threads, port)
-        log, url = out_dir / "aggregate_llama_server.log", f"http://127.0.0.1:{port}"
-        with llama_server(argv, url, log):
-            res["llama_server"] = asyncio.run(measure(url, "gguf", args, "llama-server"))
+            port = free_port()
+            argv = llama_server_argv(binary, gguf, args.streams, args.ctx_per_slot, args.threads, port)
+            url = f"http://127.0.0.1:{port}"
+            servers.enter_context(llama_server(argv, url, out_dir / "aggregate_llama_server.log"))
+            sides["llama-server"] = (url, "gguf")
+            if args.order == "sequential":
+                res["llama_server"] = asyncio.run(measure(sides, args))["llama-server"]
+                servers.close()
+                sides = {}
+        if "ours" not in skip:
+            sides["ours"] = (servers.enter_context(our_server(args)), args.model)
+        measured = asyncio.run(measure(sides, args)) if sides else {}
+    if "llama-server" in measured:
+        res["llama_server"] = measured["llama-server"]
+    if "llama_server" in res:
         res["llama_server"].update(argv=argv, system_info=system_info(binary.parent),
                                    build=build.describe() if not args.llama_server else {"binary": str(binary)})
-    if "ours" not in skip:
-        with our_server(args) as url:
-            res["ours"] = asyncio.run(measure(url, args.model, args, "ours"))
+    if "ours" in measured:
+        res["ours"] = measured["ours"]
         res["ours"].update(quantization=args.quantization, via=args.via)
+    res["order"] = args.order
     if "llama_server" in res and "ours" in res:
         res["ratios"] = ratios(res["ours"], res["llama_server"])
         r = res["ratios"]
         print(f"ours / llama-server: aggregate {r['aggregate_best']:.2f}x (best; median {r['aggregate_median']:.2f}x, "
               f"goal >= {GOALS['aggregate']}x), single stream {r['single_stream']:.2f}x "
               f"(goal >= {GOALS['single_stream']}x)", flush=True)
+        if "paired" in r:
+            print(f"  run by run (median of each pair's ratio): aggregate {r['paired']['aggregate_median']:.2f}x, "
+                  f"single stream {r['paired']['single_stream_median']:.2f}x", flush=True)
     write_with_plot("aggregate", res, out_dir, plot)
     return 0
 

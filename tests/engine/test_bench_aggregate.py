@@ -40,6 +40,23 @@ def test_ratios_are_ours_over_llama_servers_and_say_which_goals_are_met():
     assert r["goals_met"] == {"aggregate": True, "single_stream": False}
 
 
+def test_interleaved_runs_pair_up_and_flip_who_goes_first():
+    assert [aggregate.run_order(["llama-server", "ours"], r) for r in range(3)] == [
+        ["llama-server", "ours"], ["ours", "llama-server"], ["llama-server", "ours"]]
+    ours = {"aggregate": best_and_median([{"tok_per_s": 200.0}, {"tok_per_s": 150.0}, {"tok_per_s": 190.0}]),
+            "single_stream": {"tok_per_s": 100.0, "runs": [{"tpot_ms": 10.0}, {"tpot_ms": 12.0}, {"tpot_ms": 9.0}]},
+            "paired": True}
+    # the machine slowed in run 2 for both: each pair's ratio sees it, the best-of-runs ratio does not
+    theirs = {"aggregate": best_and_median([{"tok_per_s": 100.0}, {"tok_per_s": 60.0}, {"tok_per_s": 95.0}]),
+              "single_stream": {"tok_per_s": 80.0, "runs": [{"tpot_ms": 12.0}, {"tpot_ms": 18.0}, {"tpot_ms": 9.9}]},
+              "paired": True}
+    r = ratios(ours, theirs)
+    assert r["paired"]["aggregate_median"] == pytest.approx(2.0)  # of 2.0, 2.5, 2.0
+    assert r["paired"]["single_stream_median"] == pytest.approx(1.2)  # of 1.2, 1.5, 1.1
+    assert r["aggregate_best"] == pytest.approx(2.0)
+    assert "paired" not in ratios({**ours, "paired": False}, theirs)  # one server at a time: no pairs
+
+
 def test_llama_server_runs_n_slots_with_continuous_batching_and_our_threads(tmp_path):
     argv = aggregate.llama_server_argv(tmp_path / "llama-server", tmp_path / "m.gguf", streams=8, ctx_per_slot=512,
                                        threads=2, port=8123)
