@@ -1,6 +1,8 @@
 """Owns the model and the KV pool; turns a ScheduledBatch into tensors and runs one forward."""
+import math
 import os
 
+import numpy as np
 import torch
 
 import kernels
@@ -27,6 +29,16 @@ def available_memory_bytes() -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     return 8 << 30
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.zeros(shape); on a CPU from memory the OS hands out already zeroed, page by page on first touch (numpy's
+    zeros is calloc, and calloc of this size is a fresh mmap), instead of writing every byte now: torch.zeros of
+    the default KV pool took ~3.8 s of a replica's start on the 2-core box, and blocks never used cost no RAM."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 class ModelRunner:
@@ -97,11 +109,11 @@ class ModelRunner:
     def _allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         c = self.hf_config
         # zeros, not empty: masked-out slots are multiplied by 0 and must not hold NaN
-        kv = torch.zeros(c.num_hidden_layers, 2, num_blocks, self.config.block_size, c.num_key_value_heads,
-                         head_dim(c), dtype=self.kv_dtype, device=self.device)
+        kv = lazy_zeros((c.num_hidden_layers, 2, num_blocks, self.config.block_size, c.num_key_value_heads,
+                         head_dim(c)), self.kv_dtype, self.device)
         # int8: one fp32 scale per (layer, K/V, block, slot, KV head), kernels/kv_int8.py; copied with its block
-        self.kv_scales = (torch.zeros(c.num_hidden_layers, 2, num_blocks, self.config.block_size,
-                                      c.num_key_value_heads, device=self.device)
+        self.kv_scales = (lazy_zeros((c.num_hidden_layers, 2, num_blocks, self.config.block_size,
+                                      c.num_key_value_heads), torch.float32, self.device)
                           if self.kv_dtype == torch.int8 else None)
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.k_cache, layer.self_attn.v_cache = kv[i, 0], kv[i, 1]

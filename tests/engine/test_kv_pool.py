@@ -1,0 +1,34 @@
+"""The KV pool's allocation (model_runner.lazy_zeros): zeros, as torch.zeros gives them, without writing them."""
+import os
+
+import pytest
+import torch
+
+from engine_service.engine.model_runner import lazy_zeros
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])
+def test_lazy_zeros_are_zeros_of_the_shape_and_dtype_and_writable(dtype):
+    shape = (3, 2, 5, 4, 2, 8)
+    t = lazy_zeros(shape, dtype, torch.device("cpu"))
+    assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
+    assert torch.equal(t, torch.zeros(shape, dtype=dtype))
+    t[1, 0, 2] = 1  # views of it (a layer's K cache) write into it
+    layer = t[2, 1]
+    layer.fill_(3)
+    assert int(t[1, 0, 2].sum()) == 4 * 2 * 8 and int(t[2, 1].sum()) == 3 * 5 * 4 * 2 * 8
+    assert int(t.sum()) == 4 * 2 * 8 + 3 * 5 * 4 * 2 * 8
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads resident memory from Linux's /proc")
+def test_a_large_pool_is_not_written_at_allocation():
+    # 1 GiB: resident memory grows by what is touched, not by the pool (the OS zeroes pages on first touch)
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    before = rss()
+    t = lazy_zeros((256, 1024, 1024), torch.float32, torch.device("cpu"))
+    assert rss() - before < 64 * 2 ** 20
+    assert float(t[255, 1023, 1023]) == 0.0 and float(t[:4].sum()) == 0.0
+    del t
