@@ -221,6 +221,13 @@ def test_pack4_puts_a_groups_32_codes_in_16_bytes_low_nibbles_first():
     assert not cpu_int8.four_bit(torch.tensor([[0, 17, 18]], dtype=torch.uint8))
 
 
+def test_four_bit_takes_exactly_the_multiples_of_17():
+    for v in range(256):  # every byte, alone and beside a multiple of 17
+        u = torch.tensor([[v, 34]], dtype=torch.uint8)
+        assert cpu_int8.four_bit(u) == (v % 17 == 0), v
+    assert cpu_int8.four_bit(torch.arange(16, dtype=torch.uint8).mul(17).repeat(40, 3))
+
+
 @pytest.mark.skipif(cpu_int8.unavailable("avx2") is not None or cpu_int8.unavailable("avx512-simde") is not None,
                     reason="needs the avx2 build and the SIMDe one")
 @pytest.mark.parametrize("nibbles", [False, True])
