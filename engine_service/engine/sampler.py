@@ -93,7 +93,6 @@ class SamplingBatch:
             "temperature", "top_k", "top_p", "min_p", "repetition_penalty")},
             **{name: None if getattr(self, name) is None else getattr(self, name).to(device) for name in optional})
 
-
     def take(self, rows: list[int]) -> "SamplingBatch":
         """The batch of these rows only: every per-row tensor and list indexed, the batch-wide fields (num_logprobs,
         entropy) kept, so outputs of parts of a batch have the same shapes. Not for a batch with a grammar (its
