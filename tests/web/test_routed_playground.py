@@ -63,7 +63,7 @@ def run_and_branch(page, url: str, replicas: int) -> None:
 def test_a_run_and_its_branches_stay_on_one_replica_with_the_prefix_hits_of_one(redis_server, tiny_llama_dir,
                                                                                  page):
     hits = {}
-    for n in (1, 2, 3):
+    for n in (1, 3):  # (one replica, the baseline, and three: 2 added ~25 s to make test and nothing 3 misses)
         keys = Keys(f"web-routed-{n}-{uuid.uuid4().hex[:6]}")
         replicas = [Replica(tiny_llama_dir, redis_server.url, keys, f"r{n}-{i}", "--num-kv-blocks",
                             str(TINY_KV_BLOCKS), "--max-num-seqs", "16") for i in range(n)]
@@ -86,4 +86,4 @@ def test_a_run_and_its_branches_stay_on_one_replica_with_the_prefix_hits_of_one(
         assert len({replica for replica, _ in done.values()}) == 1, done  # all on one replica's cache
         hits[n] = sorted(cached for _, cached in done.values())
         assert sum(hits[n]) > 0, done  # the later columns and the branch found the prompt cached
-    assert hits[2] == hits[1] and hits[3] == hits[1], hits
+    assert hits[3] == hits[1], hits
