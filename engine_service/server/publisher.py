@@ -10,6 +10,7 @@ import queue
 
 from redis.exceptions import ResponseError
 
+from engine_service.engine.roofline import StepRecord as EngineStep
 from engine_service.server.jobs import (
     AppendSteps,
     Finish,
@@ -28,7 +29,7 @@ from shared.scripts import FINISH, HANDOVER
 log = logging.getLogger("decodelab.replica")
 
 
-def step_json(record) -> str:
+def step_json(record: EngineStep) -> str:
     """An engine step record (engine/roofline.py) as the shared schema's JSON: its fields by the schema's names,
     without building and validating the pydantic model on the way out (readers validate it)."""
     return json.dumps({name: getattr(record, name) for name in StepRecord.model_fields})
