@@ -6,9 +6,9 @@
    stride ldbt); context_lens [B] int32; out [B, H, D] fp32 contiguous.
 
    One task per (sequence, KV head) computes its G = H / Hkv query heads, the group's K/V rows of a chunk of CHUNK
-   context tokens staying in L1 between heads. Per chunk and head: the scores (4 tokens at a time), an
-   online-softmax update (running max and sum, the accumulator rescaled when the max grows), the weights (a
-   vectorized exp), then the weighted V rows into accumulators held in registers. A task's arithmetic depends on its
+   context tokens staying in L1 between heads (the next chunk's rows prefetched meanwhile). Per chunk and head:
+   the scores (8 tokens at a time), an online-softmax update (running max and sum, the accumulator rescaled when
+   the max grows), the weights (a vectorized exp), then the weighted V rows into accumulators held in registers. A task's arithmetic depends on its
    own sequence only: a sequence gets the same bits alone or in any batch. Tasks are split between threads by
    OpenMP (PyTorch's libgomp, loaded first) once a step has enough work to pay for waking them. Built and loaded
    by kernels/cpu_decode_attention.py. */
@@ -16,14 +16,25 @@
 #include "cpu_simd.h"
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #define CHUNK 64
 #define MAX_D 256
 #define MAX_G 16
-/* below this many (context token x KV head) pairs a step's attention runs on the calling thread: waking the
-   other thread (futex, OMP_WAIT_POLICY=PASSIVE) costs more than the work (SmolLM2: 3 KV heads x ~100 tokens) */
-#define PARALLEL_MIN 8192
+/* below this many (context token x KV head) pairs a step's attention runs on the calling thread. With
+   OMP_WAIT_POLICY=PASSIVE (play's default) the other thread sleeps and waking it (a futex) costs more than the work
+   of a few short contexts (SmolLM2: 3 KV heads x ~100 tokens); otherwise it is spinning at the last barrier and
+   taking half of 8 sequences x ~100 tokens is 0.6x the time (AMD Zen 5, 2 threads) */
+static int64_t parallel_min(void) {
+    static int64_t v = 0;  /* (a race here writes the same value) */
+    if (!v) {
+        const char* policy = getenv("OMP_WAIT_POLICY");
+        v = policy && strcasecmp(policy, "passive") == 0 ? 8192 : 1024;
+    }
+    return v;
+}
 
 static inline __m256 load8(const void* base, int64_t i, const int I8) {
     if (I8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)((const int8_t*)base + i))));
@@ -34,6 +45,28 @@ static inline __m256 load8(const void* base, int64_t i, const int I8) {
 static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
     __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* The K and V rows of the chunk at `c` on their way to L1 while the chunk before is computed. A KV head's rows lie
+   Hkv * D values apart in a block and the blocks anywhere, which the hardware prefetcher does not follow: without
+   this the first query head's loads waited on memory (perf on AMD Zen 5: most of the kernel's samples on two of
+   them; with it, 128 sequences x ~200 tokens ~0.8x the time). always_inline: GCC 12 takes a function of prefetches
+   alone for one without side effects and drops its calls. */
+static inline __attribute__((always_inline)) void prefetch_chunk(
+        const void* kc, const void* vc, const int32_t* table, int64_t c, int64_t ctx, int64_t bs, int64_t hkv,
+        int64_t h, int64_t D, const int I8) {
+    int64_t end = ctx - c < CHUNK ? ctx : c + CHUNK, bytes = I8 ? D : D * 4;
+    for (int64_t pos = c, bi = c / bs, slot = c % bs; pos < end; pos++) {
+        int64_t off = ((table[bi] * bs + slot) * hkv + h) * bytes;
+        for (int64_t b = 0; b < bytes; b += 64) {
+            _mm_prefetch((const char*)kc + off + b, _MM_HINT_T0);
+            _mm_prefetch((const char*)vc + off + b, _MM_HINT_T0);
+        }
+        if (++slot == bs) {
+            slot = 0;
+            bi++;
+        }
+    }
 }
 
 static inline __attribute__((always_inline)) void task(
@@ -52,25 +85,36 @@ static inline __attribute__((always_inline)) void task(
         m[g] = -INFINITY;
         l[g] = 0.0f;
     }
+    prefetch_chunk(kc, vc, table, 0, ctx, bs, hkv, h, D, I8);
     for (int64_t c = 0; c < ctx; c += CHUNK) {
-        int64_t n = ctx - c < CHUNK ? ctx - c : CHUNK, n4 = (n + 3) & ~3, n8 = (n + 7) & ~7;
-        for (int64_t t = 0; t < n8; t++) {  /* rows past n repeat the last one: computed, then given weight 0 */
-            int64_t pos = c + (t < n ? t : n - 1), blk = table[pos / bs], srow = (blk * bs + pos % bs) * hkv + h;
+        int64_t n = ctx - c < CHUNK ? ctx - c : CHUNK, n8 = (n + 7) & ~7;
+        if (c + CHUNK < ctx) prefetch_chunk(kc, vc, table, c + CHUNK, ctx, bs, hkv, h, D, I8);
+        for (int64_t t = 0, bi = c / bs, slot = c % bs; t < n8; t++) {  /* (no division per token) */
+            int64_t srow = (table[bi] * bs + slot) * hkv + h;
             row[t] = srow * D;
             fk[t] = I8 ? ks[srow] : 1.0f;
             fv[t] = I8 ? vs[srow] : 1.0f;
+            if (t + 1 < n && ++slot == bs) {  /* rows past n repeat the last one: computed, then given weight 0 */
+                slot = 0;
+                bi++;
+            }
         }
-        for (int64_t g = 0; g < G; g++) {  /* scores, 4 tokens at a time */
-            for (int64_t t = 0; t < n4; t += 4) {
-                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t g = 0; g < G; g++) {  /* scores, 8 tokens at a time: 8 independent FMA chains */
+            for (int64_t t = 0; t < n8; t += 8) {
+                __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
                 for (int64_t d = 0; d < D; d += 8) {
                     __m256 qv = _mm256_load_ps(qs[g] + d);
                     a0 = _mm256_fmadd_ps(qv, load8(kc, row[t] + d, I8), a0);
                     a1 = _mm256_fmadd_ps(qv, load8(kc, row[t + 1] + d, I8), a1);
                     a2 = _mm256_fmadd_ps(qv, load8(kc, row[t + 2] + d, I8), a2);
                     a3 = _mm256_fmadd_ps(qv, load8(kc, row[t + 3] + d, I8), a3);
+                    a4 = _mm256_fmadd_ps(qv, load8(kc, row[t + 4] + d, I8), a4);
+                    a5 = _mm256_fmadd_ps(qv, load8(kc, row[t + 5] + d, I8), a5);
+                    a6 = _mm256_fmadd_ps(qv, load8(kc, row[t + 6] + d, I8), a6);
+                    a7 = _mm256_fmadd_ps(qv, load8(kc, row[t + 7] + d, I8), a7);
                 }
                 _mm_storeu_ps(p[g] + t, _mm_mul_ps(hsum4(a0, a1, a2, a3), _mm_loadu_ps(fk + t)));
+                _mm_storeu_ps(p[g] + t + 4, _mm_mul_ps(hsum4(a4, a5, a6, a7), _mm_loadu_ps(fk + t + 4)));
             }
             for (int64_t t = n; t < n8; t++) p[g][t] = -INFINITY;
             float mx = m[g];
@@ -92,8 +136,19 @@ static inline __attribute__((always_inline)) void task(
                 _mm256_store_ps(p[g] + t, _mm256_mul_ps(e, _mm256_loadu_ps(fv + t)));
             }
             l[g] += hsum(sum);
-            /* the weighted V rows, 32 output lanes in registers at a time */
-            for (int64_t d = 0; d < D; d += 32) {
+            /* the weighted V rows, 64 output lanes in registers at a time (8 independent FMA chains: one FMA's
+               latency is ~4 cycles and two issue a cycle), then 32 for what is left of D */
+            int64_t d = 0;
+            for (; d + 64 <= D; d += 64) {
+                __m256 c[8];
+                for (int k = 0; k < 8; k++) c[k] = _mm256_load_ps(acc[g] + d + 8 * k);
+                for (int64_t t = 0; t < n; t++) {
+                    __m256 pt = _mm256_broadcast_ss(p[g] + t);
+                    for (int k = 0; k < 8; k++) c[k] = _mm256_fmadd_ps(pt, load8(vc, row[t] + d + 8 * k, I8), c[k]);
+                }
+                for (int k = 0; k < 8; k++) _mm256_store_ps(acc[g] + d + 8 * k, c[k]);
+            }
+            for (; d < D; d += 32) {
                 int64_t w = D - d < 32 ? D - d : 32;
                 __m256 c0 = _mm256_load_ps(acc[g] + d), c1 = w > 8 ? _mm256_load_ps(acc[g] + d + 8) : c0;
                 __m256 c2 = w > 16 ? _mm256_load_ps(acc[g] + d + 16) : c0, c3 = w > 24 ? _mm256_load_ps(acc[g] + d + 24) : c0;
@@ -125,7 +180,7 @@ void dl_paged_decode(const float* q, int64_t ldq, int64_t B, int64_t H, int64_t 
     int64_t G = H / Hkv, work = 0;
     for (int64_t b = 0; b < B; b++) work += context_lens[b];
     work *= Hkv;
-    #pragma omp parallel for schedule(dynamic, 1) if (work >= PARALLEL_MIN)
+    #pragma omp parallel for schedule(dynamic, 1) if (work >= parallel_min())
     for (int64_t i = 0; i < B * Hkv; i++) {
         int64_t b = i / Hkv, h = i % Hkv;
         const float* qp = q + b * ldq + h * G * D;

@@ -9,6 +9,8 @@
    accumulates in int32 across groups (each group has its own fp32 step), so it would be this vpmaddwd with a zero
    addend; vpdpbusd multiplies 8-bit activations, the loss the int16 grid exists to avoid. The 32 zmm registers hold
    a block of 4 rows x the 4 outputs of a packed group (16 accumulators), so a group is read once for up to 4 rows.
+   On an AMD Zen 5 (2 threads, SmolLM2's 120 decode matrices) it takes 0.98x the AVX2 build's time at 1 row (both
+   bound by memory), 0.85x at 8 and 0.81x at 64.
 
    The weights come packed by kernels/cpu_int8.py `pack(u, row_bytes=32)`: groups of 4 output rows, each row's 32
    codes of a weight group side by side ([ceil(N / 4), Kp / 32, 4, 32], 128 bytes a k-group as in the AVX2 layout);
