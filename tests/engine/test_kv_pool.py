@@ -32,3 +32,28 @@ def test_a_large_pool_is_not_written_at_allocation():
     assert rss() - before < 64 * 2 ** 20
     assert float(t[255, 1023, 1023]) == 0.0 and float(t[:4].sum()) == 0.0
     del t
+
+
+def _thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return ""
+
+
+@pytest.mark.skipif(_thp_mode() not in ("always", "madvise"), reason="no transparent huge pages on this system")
+def test_a_pool_asks_for_huge_pages():
+    # decode attention reads rows scattered over the pool: 2 MiB pages spare it most TLB misses (docs/kernels.md)
+    t = lazy_zeros((64, 1024, 1024), torch.float32, torch.device("cpu"))
+    addr, region = t.data_ptr(), None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                region = lo <= addr < hi
+            elif region and line.startswith("VmFlags:"):
+                assert "hg" in line.split()[1:]  # MADV_HUGEPAGE given
+                return
+    raise AssertionError("the pool's mapping is not in /proc/self/smaps")
