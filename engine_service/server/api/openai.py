@@ -259,8 +259,9 @@ async def _sse(state: ServiceState, subs: list[Submission], reply: Reply, stream
     failed: set[int] = set()
     try:
         while len(dones) < len(subs):
-            try:
-                i, ev = await asyncio.wait_for(events.get(), state.sse_keepalive_s)
+            try:  # (asyncio.timeout, not wait_for: no task created per event)
+                async with asyncio.timeout(state.sse_keepalive_s):
+                    i, ev = await events.get()
             except TimeoutError:
                 yield ": keep-alive\n\n"
                 continue
