@@ -8,10 +8,10 @@
    One task per (sequence, KV head) computes its G = H / Hkv query heads, the group's K/V rows of a chunk of CHUNK
    context tokens staying in L1 between heads (the next chunk's rows prefetched meanwhile). Per chunk and head:
    the scores (8 tokens at a time), an online-softmax update (running max and sum, the accumulator rescaled when
-   the max grows), the weights (a vectorized exp), then the weighted V rows into accumulators held in registers. A task's arithmetic depends on its
-   own sequence only: a sequence gets the same bits alone or in any batch. Tasks are split between threads by
-   OpenMP (PyTorch's libgomp, loaded first) once a step has enough work to pay for waking them. Built and loaded
-   by kernels/cpu_decode_attention.py. */
+   the max grows), the weights (a vectorized exp), then the weighted V rows into accumulators held in registers.
+   A task's arithmetic depends on its own sequence only: a sequence gets the same bits alone or in any batch.
+   Tasks are split between threads by OpenMP (PyTorch's libgomp, loaded first) once a step has enough work to pay
+   for waking them (`parallel_min`). Built and loaded by kernels/cpu_decode_attention.py. */
 #include <immintrin.h>
 #include "cpu_simd.h"
 #include <math.h>
