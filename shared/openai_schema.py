@@ -23,6 +23,7 @@ from shared.protocol import (
     SamplingExtras,
     SamplingOptions,
     StructuredOutputs,
+    TokenId,
     TokenLogprob,
     new_request_id,
 )
@@ -129,7 +130,7 @@ class _Body(SamplingExtras):
     prompt_cache_key: str | None = Field(None, max_length=256)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100] (checked by the protocol)
+    logit_bias: dict[TokenId, float] | None = None  # token id -> bias in [-100, 100] (checked by the protocol)
     response_format: ResponseFormat | None = None
     # vLLM's older names for structured_outputs' json / regex / choice / grammar (extra body fields)
     guided_json: dict[str, Any] | str | None = None
@@ -185,7 +186,7 @@ class _Body(SamplingExtras):
 
 
 class CompletionBody(_Body):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     echo: bool = False  # the prompt before each completion (and its log-probs first, with logprobs)
     max_tokens: int = Field(16, ge=0)  # 0 only with echo: the prompt's log-probs, no completion
     logprobs: int | None = Field(None, ge=0, le=20)

@@ -25,6 +25,10 @@ ErrorCode = Literal[
 ]
 
 
+# A vocabulary id. The replica checks it against its model's vocabulary; this bound keeps every id a non-negative
+# 32-bit int before that (a router hashes prompt ids as int64: a larger int was a 500, found by the API fuzz test).
+TokenId = Annotated[int, Field(ge=0, lt=1 << 31)]
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -50,7 +54,7 @@ class SamplingExtras(_Model):
     top_k: int = Field(-1, ge=-1, lt=1 << 31)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
-    stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=64)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False  # keep the matched stop string / stop token's text in the output
     min_tokens: int = Field(0, ge=0)
@@ -78,7 +82,7 @@ class SamplingOptions(SamplingExtras):
     logprobs: int | None = Field(None, ge=0, le=20)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)  # OpenAI's: on generated tokens only
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[int, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(None, max_length=1024)
+    logit_bias: dict[TokenId, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(None, max_length=1024)
     # the sampler pipeline per generated token (TokenEvent.stages): each stage's top-N tokens; 0: off. Greedy and
     # sample modes; not an OpenAI API field (its responses have no place for it)
     sampler_stages: int = Field(0, ge=0, le=64)
@@ -107,14 +111,14 @@ class Continuation(_Model):
     text tokenized without special tokens. All of it counts as prompt; an identical prefix of ids shares the
     parent's KV blocks through the prefix cache."""
 
-    parts: list[Annotated[list[int], Field(max_length=32768)] | Annotated[str, Field(max_length=8000)]] = Field(
+    parts: list[Annotated[list[TokenId], Field(max_length=32768)] | Annotated[str, Field(max_length=8000)]] = Field(
         default_factory=list, max_length=64)
 
 
 class GenerationRequest(_Model):
     v: int = PROTOCOL_VERSION
     request_id: str = Field(default_factory=new_request_id, pattern=REQUEST_ID_PATTERN)
-    prompt: str | list[int] | None = None
+    prompt: str | list[TokenId] | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     params: SamplingOptions = Field(default_factory=SamplingOptions)
     model: str | None = None

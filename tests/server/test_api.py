@@ -121,6 +121,10 @@ BAD = [
     ({"model": "tiny", "prompt": "x", "top_k": 1 << 63}, 400, "top_k"),  # would overflow the sampler's int64
     ({"model": "tiny", "prompt": "x", "mode": "beam", "temperature": 0, "length_penalty": 1e308}, 400, "length"),
     ({"model": "tiny", "prompt": "x", "seed": 1 << 64}, 400, "seed"),
+    ({"model": "tiny", "prompt": [5, 1 << 70], "max_tokens": 2}, 400, "prompt"),  # was a 500 (the router's hash)
+    ({"model": "tiny", "prompt": [5, -1], "max_tokens": 2}, 400, "prompt"),
+    ({"model": "tiny", "prompt": "x", "logit_bias": {"-1": 5}}, 400, "logit_bias"),  # was the last token's bias
+    ({"model": "tiny", "prompt": "x", "stop_token_ids": [1 << 40]}, 400, "stop_token_ids"),
 ]
 
 
