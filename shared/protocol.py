@@ -29,6 +29,7 @@ ErrorCode = Literal[
 # 32-bit int before that (a router hashes prompt ids as int64: a larger int was a 500, found by the API fuzz test).
 TokenId = Annotated[int, Field(ge=0, lt=1 << 31)]
 
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 

@@ -123,7 +123,7 @@ BAD = [
     ({"model": "tiny", "prompt": "x", "seed": 1 << 64}, 400, "seed"),
     ({"model": "tiny", "prompt": [5, 1 << 70], "max_tokens": 2}, 400, "prompt"),  # was a 500 (the router's hash)
     ({"model": "tiny", "prompt": [5, -1], "max_tokens": 2}, 400, "prompt"),
-    ({"model": "tiny", "prompt": "x", "logit_bias": {"-1": 5}}, 400, "logit_bias"),  # was the last token's bias
+    ({"model": "tiny", "prompt": "x", "logit_bias": {"-1": 5}}, 400, "logit_bias"),
     ({"model": "tiny", "prompt": "x", "stop_token_ids": [1 << 40]}, 400, "stop_token_ids"),
 ]
 
