@@ -131,7 +131,7 @@ def quantize(weight: torch.Tensor) -> GroupedInt8:
     lo, hi = groups.amin(2), groups.amax(2)
     d = (hi - lo) / 255
     u = ((groups - lo[..., None]) / torch.where(d > 0, d, 1.0)[..., None]).round_().clamp_(0, 255)
-    if not four_bit(u):
+    if not four_bit(u.to(torch.uint8)):
         sd = groups.abs().amax(2) / 127
         q = groups / torch.where(sd > 0, sd, 1.0)[..., None]
         # a Q8_0 group (3+ distinct values: fewer, as in a padded tail, are exact on their min / max grid anyway)
@@ -158,7 +158,9 @@ def four_bit(u: torch.Tensor) -> bool:
     """Whether 8-bit codes u are 4-bit ones times 17: a group quantized from 16 levels spanning its [min, max]
     (llama.cpp's Q4_1, whose groups span exactly that: SmolLM2's GGUF) lands on 0, 17, ..., 255."""
     # u % 17 on uint8 runs ~1.5 s over SmolLM2's weights at load; times 17's inverse mod 256 (241), in uint8's
-    # wrapping arithmetic, takes 17k (k = 0..15) to k and every other byte above 15
+    # wrapping arithmetic, takes 17k (k = 0..15) to k and every other byte above 15 (only in uint8: float codes
+    # never wrap, which for a session sent most of SmolLM2's Q4_1 groups through the Q8_0 check below)
+    assert u.dtype == torch.uint8, u.dtype
     return bool(((u * 241) <= 15).all())
 
 

@@ -209,6 +209,16 @@ def test_q4_weights_run_as_4_bit_codes_with_the_8_bit_results(isa, rows, n, k, s
     torch.testing.assert_close(got, eight(x), rtol=1e-5, atol=1e-5 * float(got.abs().max()))
 
 
+def test_a_q4_weight_with_groups_also_on_a_symmetric_grid_stays_4_bit():
+    # a Q4_1 group with m = -113 / 1024 and d = 16 / 1024 (as in SmolLM2's o_proj) is also on Q8_0's grid (max |w| /
+    # 127 = 1 / 1024, every value a whole multiple): the Q8_0 check must not re-code it and leave the matrix 8-bit
+    w = q4_grid(8, 64, 0)
+    w[0, :32] = (-113 + 16 * (torch.arange(32) % 16)) / 1024
+    g = cpu_int8.quantize(w)
+    assert cpu_int8.four_bit(g.u) and cpu_int8.Matrix(g).nibbles
+    torch.testing.assert_close(g.dequantize()[:, :64], w, rtol=0, atol=1e-6)
+
+
 def test_pack4_puts_a_groups_32_codes_in_16_bytes_low_nibbles_first():
     u4 = torch.arange(6 * 64, dtype=torch.int64).remainder(16).to(torch.uint8).view(6, 64).flip(1)
     p = cpu_int8.pack4(u4)
