@@ -191,4 +191,4 @@ static void group(const int16_t* xq, const float* xsum, const float* xs, int64_t
     }
 }
 
-DL_INT8_LINEAR(group)
+DL_INT8_LINEAR(group, 32767.0f, 0)

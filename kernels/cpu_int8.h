@@ -1,6 +1,6 @@
-/* What both builds of the grouped int8 matmul share (cpu_int8.c, AVX2; cpu_int8_avx512.c, AVX-512): the
-   activations' int16 quantization (AVX2, which every AVX-512 CPU has), the offsets' term and the final lane sums.
-   kernels/_cbuild.py hashes this header with each source. */
+/* What the builds of the grouped int8 matmul share (cpu_int8.c, AVX2; cpu_int8_avx512.c, AVX-512; cpu_int8_vnni.c,
+   AVX512-VNNI): the activations' int16 quantization (AVX2, which every AVX-512 CPU has), the offsets' term and the
+   final lane sums. kernels/_cbuild.py hashes this header with each source. */
 #pragma once
 #include <immintrin.h>
 #include <math.h>
@@ -8,12 +8,11 @@
 #include <stdlib.h>
 #include "cpu_simd.h"
 
-/* row i of x to int16 on the grid max|x_i| / 32767, zero-padded to Kp; xs[i] the step (NaN for a row with a NaN
-   or inf, so its outputs are NaN as fp32 sums would be); xsum[i][j] the sum of its j-th 32 (exact in fp32, zero
-   from G up to Gp) */
+/* row i of x to int16 on the grid max|x_i| / xmax (a build's XMAX), zero-padded to Kp; xs[i] the step (NaN for a
+   row with a NaN or inf, so its outputs are NaN as fp32 sums would be); xsum[i][j] the sum of its j-th 32 (exact in
+   fp32, zero from G up to Gp) */
 static void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t Kp, int64_t Gp, int16_t* xq,
-                          float* xs, float* xsum) {
-    const float xmax = 32767.0f;
+                          float* xs, float* xsum, const float xmax) {
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (int64_t i = 0; i < M; i++) {
         const float* r = x + i * ldx;
@@ -108,13 +107,18 @@ typedef void (*group_fn)(const int16_t* xq, const float* xsum, const float* xs, 
                          const uint8_t* g, const char* d, const char* m, int64_t ahead, const float* bias, float* y,
                          int64_t ldy, int64_t nb, int fmt);
 
+/* a build's own pass over the quantized rows before its blocks (NULL: none): xq's M rows, Kp int16 each, rewritten
+   in place; returns 0, or -1 without memory */
+typedef int (*prepare_fn)(int16_t* xq, int64_t M, int64_t Kp);
+
 /* wp: u packed, (N + 3) / 4 groups of 4 * Kp bytes (FMT_NIBBLES: 4-bit codes, 2 * Kp bytes), Kp = K rounded up to
    32, laid out as the build's blocks read them (kernels/cpu_int8.py `pack`, `pack4`); dp: the steps,
    [(N + 3) / 4][Kp / 32][4]; mp: the offsets, [(N + 3) / 4 * 4][Gp], Gp = Kp / 32 rounded up to 8 (zeros past it);
    both fp32, or fp16 with FMT_HALF (kernels/cpu_int8.py `Matrix`). Returns 0, or -1 when the int16 copy of x could
-   not be allocated. */
+   not be allocated. xmax and prepare: the build's activation grid and its pass over the quantized rows. */
 static int int8_linear(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* wp, const void* dp,
-                       const void* mp, const float* bias, float* y, int64_t N, int fmt, group_fn group) {
+                       const void* mp, const float* bias, float* y, int64_t N, int fmt, group_fn group,
+                       float xmax, prepare_fn prepare) {
     int64_t Kp = (K + 31) / 32 * 32, Gp = (Kp / 32 + 7) / 8 * 8;
     /* 64-byte aligned (rows are 32 * Kp / 16 bytes long): an activation load never straddles two cache lines, which
        cost ~15% at 4 rows with malloc's 16-byte alignment */
@@ -122,7 +126,8 @@ static int int8_linear(const float* x, int64_t ldx, int64_t M, int64_t K, const 
     float* xs = malloc((size_t)M * (1 + Gp) * sizeof(float));
     if (!xq || !xs) { free(xq); free(xs); return -1; }
     float* xsum = xs + M;
-    quantize_rows(x, ldx, M, K, Kp, Gp, xq, xs, xsum);
+    quantize_rows(x, ldx, M, K, Kp, Gp, xq, xs, xsum, xmax);
+    if (prepare && prepare(xq, M, Kp)) { free(xq); free(xs); return -1; }
     /* with 3+ rows the AVX2 build reads a group twice: prefetch the next group (at least 1 KiB on) so the memory
        stream goes on during the second pass; 1-2 rows read it once, 1 KiB ahead (the AVX-512 build reads every
        group once and keeps the same distances) */
@@ -138,9 +143,38 @@ static int int8_linear(const float* x, int64_t ldx, int64_t M, int64_t K, const 
     return 0;
 }
 
-/* the library's one function, `dl_int8_linear` (int8_linear's arguments), over a build's own `group` */
-#define DL_INT8_LINEAR(group) \
+/* The AVX-512 builds' `group` over their own `block` (R rows of xq times one packed group of 4 outputs, in a given
+   format: a BLOCK(const int R, ..., const int nib, const int half)), compiled for each row count (1-4) and each
+   format (`FMT_*`); `group` runs every row of xq, in even chunks of at most 4 rows (8 -> 4 + 4, 7 -> 4 + 3). */
+#define BLOCK_FORMAT(block, R, fmt) \
+    static void block_##R##_##fmt(const int16_t* x, const float* xsum, int64_t Kp, int64_t Gp, const uint8_t* g, \
+                                  const char* d, const char* m, int64_t ahead, float s[4][4]) { \
+        block(R, x, xsum, Kp, Gp, g, d, m, ahead, s, (fmt) & FMT_NIBBLES, ((fmt) & FMT_HALF) != 0); }
+#define BLOCK_ROWS(block, R) BLOCK_FORMAT(block, R, 0) BLOCK_FORMAT(block, R, 1) BLOCK_FORMAT(block, R, 2) \
+    BLOCK_FORMAT(block, R, 3)
+#define BLOCKS_BY_ROWS(f) {0, block_1_##f, block_2_##f, block_3_##f, block_4_##f}
+#define BLOCKS_AND_GROUP(block) \
+    BLOCK_ROWS(block, 1) BLOCK_ROWS(block, 2) BLOCK_ROWS(block, 3) BLOCK_ROWS(block, 4) \
+    static void group(const int16_t* xq, const float* xsum, const float* xs, int64_t M, int64_t Kp, int64_t Gp, \
+                      const uint8_t* g, const char* d, const char* m, int64_t ahead, const float* bias, float* y, \
+                      int64_t ldy, int64_t nb, int fmt) { \
+        static const block_fn by_fmt[4][5] = {BLOCKS_BY_ROWS(0), BLOCKS_BY_ROWS(1), BLOCKS_BY_ROWS(2), \
+                                              BLOCKS_BY_ROWS(3)}; \
+        const block_fn* by_rows = by_fmt[fmt]; \
+        int64_t chunks = (M + 3) / 4, i0 = 0; \
+        for (int64_t c = 0; c < chunks; c++) { \
+            int64_t r = chunk_rows(M, i0, chunks, c); \
+            float s[4][4]; \
+            by_rows[r](xq + i0 * Kp, xsum + i0 * Gp, Kp, Gp, g, d, m, ahead, s); \
+            store(s, r, nb, xs + i0, bias, y + i0 * ldy, ldy); \
+            i0 += r; \
+        } \
+    }
+
+/* the library's one function, `dl_int8_linear` (int8_linear's arguments), over a build's own `group`, activation
+   grid and preparation */
+#define DL_INT8_LINEAR(group, xmax, prepare) \
     int dl_int8_linear(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* wp, const void* dp, \
                        const void* mp, const float* bias, float* y, int64_t N, int fmt) { \
-        return int8_linear(x, ldx, M, K, wp, dp, mp, bias, y, N, fmt, group); \
+        return int8_linear(x, ldx, M, K, wp, dp, mp, bias, y, N, fmt, group, xmax, prepare); \
     }

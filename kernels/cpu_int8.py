@@ -1,5 +1,7 @@
-"""8-bit weight x int16-quantized activation matmul for x86 CPUs with AVX2 (`cpu_int8.c`) or AVX-512 F + BW
-(`cpu_int8_avx512.c`: the same format and integers, whole groups in one 512-bit register), built on first use.
+"""8-bit weight x int16-quantized activation matmul for x86 CPUs with AVX2 (`cpu_int8.c`), AVX-512 F + BW
+(`cpu_int8_avx512.c`: the same format and integers, whole groups in one 512-bit register) or AVX512-VNNI
+(`cpu_int8_vnni.c`: the same format and integer products, vpdpbusd on the weights' bytes as stored and each int16
+activation split into two signed bytes), built on first use.
 
 The weights are 8-bit codes in groups of 32 along K, each group with its own step and offset (`GroupedInt8`,
 `quantize`; fp32, or fp16 where that holds them exactly, as a GGUF's: `Matrix.half`): a group's 256 levels span its
@@ -22,13 +24,13 @@ codes in integers (vpmaddwd), one fp32 multiply-add per group of 32, reading eac
 call; the weights are packed at load time (`pack`) so that each group of 4 output rows is one sequential stream
 (docs/kernels.md has the measurements).
 
-Which build runs (`default_isa()`): the AVX-512 one where the CPU has avx512f and avx512bw and it builds, else the
-AVX2 one; DECODELAB_CPU_ISA=avx2 forces the AVX2 build on any CPU (int8_linear's DECODELAB_INT8_KERNEL=avx512
-insists on the other). Each packs its weights for its own blocks (`pack`'s `row_bytes`), so a `Matrix` belongs to
-one build.
-"avx512-simde" is the AVX-512 source compiled against SIMDe's portable intrinsics (Debian's libsimde-dev): how the
-tests check that build's logic on a CPU without AVX-512 (16-40x slower than the AVX2 build on Zen 3; never chosen by
-`default_isa()`).
+Which build runs (`default_isa()`): the VNNI one where the CPU has avx512f, avx512bw and avx512_vnni and it builds,
+else the AVX-512 one where it has the first two, else the AVX2 one; DECODELAB_CPU_ISA=avx2 forces the AVX2 build on
+any CPU (int8_linear's DECODELAB_INT8_KERNEL=avx512 or =avx512vnni insists on one of the others). Each packs its
+weights for its own blocks (`pack`'s `row_bytes`), so a `Matrix` belongs to one build.
+"avx512-simde" and "avx512vnni-simde" are the AVX-512 sources compiled against SIMDe's portable intrinsics (Debian's
+libsimde-dev): how the tests check those builds' logic on a CPU without the instructions (16-40x slower than the
+AVX2 build on Zen 3; never chosen by `default_isa()`).
 
 The first call (`unavailable()` or `linear()`) compiles the source (kernels/_cbuild.py: the system C compiler,
 -O3 -mavx2 -mfma -mf16c -fopenmp, into `$DECODELAB_CACHE_DIR/kernels`, once per source version). `unavailable()` says
@@ -53,11 +55,18 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 KERNELS = {
+    "avx512vnni": _cbuild.CKernel("cpu_int8_vnni", _declare, ("-mavx512f", "-mavx512bw", "-mavx512vnni"),
+                                  ("avx512f", "avx512bw", "avx512_vnni")),
     "avx512": _cbuild.CKernel("cpu_int8_avx512", _declare, ("-mavx512f", "-mavx512bw"), ("avx512f", "avx512bw")),
     "avx2": _cbuild.CKernel("cpu_int8", _declare),
     "avx512-simde": _cbuild.CKernel("cpu_int8_avx512", _declare, ("-DDL_SIMDE", "-Wno-psabi")),
+    "avx512vnni-simde": _cbuild.CKernel("cpu_int8_vnni", _declare, ("-DDL_SIMDE", "-Wno-psabi")),
 }
-ROW_BYTES = {"avx512": 32, "avx2": 16, "avx512-simde": 32}  # a row's bytes of 8-bit codes per piece (`pack`)
+# a row's bytes of 8-bit codes per piece (`pack`)
+ROW_BYTES = {"avx512vnni": 32, "avx512": 32, "avx2": 16, "avx512-simde": 32, "avx512vnni-simde": 32}
+# the int16 code of a row's largest |x| (its grid: max |x| / this): the VNNI build splits codes into two int8s
+ACTIVATION_MAX = {"avx512vnni": 32639, "avx512vnni-simde": 32639, "avx512": 32767, "avx2": 32767,
+                  "avx512-simde": 32767}
 CPU_ISAS = ("avx2", "avx512", "generic")  # DECODELAB_CPU_ISA's values; unset or empty: what the CPU has
 
 
@@ -71,10 +80,12 @@ def cpu_isa() -> str:
 
 
 def default_isa() -> str:
-    """The build a `Matrix` uses unless told: "avx512" where it runs (and DECODELAB_CPU_ISA allows it), else
-    "avx2"."""
-    if cpu_isa() not in ("avx2", "generic") and KERNELS["avx512"].unavailable() is None:
-        return "avx512"
+    """The build a `Matrix` uses unless told: "avx512vnni" where it runs, else "avx512" where that does (while
+    DECODELAB_CPU_ISA allows AVX-512), else "avx2"."""
+    if cpu_isa() not in ("avx2", "generic"):
+        for name in ("avx512vnni", "avx512"):
+            if KERNELS[name].unavailable() is None:
+                return name
     return "avx2"
 
 

@@ -1,13 +1,15 @@
 /* cpu_int8.c's matmul (grouped 8-bit or 4-bit weights x int16-quantized activations, the same format and the same
    integers) for x86 CPUs with AVX-512 F + BW: Intel Xeons since Skylake-SP, AMD Zen 4. kernels/cpu_int8.py picks
-   it where the CPU has them (DECODELAB_CPU_ISA=avx2 forces the AVX2 build instead).
+   it where the CPU has them but not AVX512-VNNI (Skylake-SP; cpu_int8_vnni.c where it has that too, or with
+   DECODELAB_INT8_KERNEL=avx512 this build anyway); DECODELAB_CPU_ISA=avx2 forces the AVX2 build instead.
 
    A zmm register holds a whole group of 32 activations as int16, so per group and output one vpmaddwd of 32 pairs
    gives 16 int32 lanes (at most 2 * 32767 * 255 each), one conversion and one FMA times the group's step fold them
    into 16 fp32 lanes: 3 instructions per group, row and output where the AVX2 build needs 5 (two 16-wide k-steps
    and their sum). VNNI's vpdpwssd would fuse that multiply with an add into int32 accumulators, but nothing here
    accumulates in int32 across groups (each group has its own fp32 step), so it would be this vpmaddwd with a zero
-   addend; vpdpbusd multiplies 8-bit activations, the loss the int16 grid exists to avoid. The 32 zmm registers hold
+   addend; vpdpbusd multiplies 8-bit activations, which cpu_int8_vnni.c gets around by splitting each int16 code
+   into two bytes. The 32 zmm registers hold
    a block of 4 rows x the 4 outputs of a packed group (16 accumulators), so a group is read once for up to 4 rows.
    On an AMD Zen 5 (2 threads, SmolLM2's 120 decode matrices) it takes 0.98x the AVX2 build's time at 1 row (both
    bound by memory), 0.85x at 8 and 0.81x at 64.
@@ -22,23 +24,7 @@
 
    With -DDL_SIMDE (and without -mavx512*) the same source builds against SIMDe's portable versions of these
    intrinsics (Debian's libsimde-dev): how tests check this kernel's logic on CPUs without AVX-512. */
-#ifdef DL_SIMDE
-#define SIMDE_ENABLE_NATIVE_ALIASES
-#include <simde/x86/avx512.h>
-#undef _mm512_madd_epi16  /* SIMDe 0.7.4 (Debian 12) aliases it with the masked form's four arguments */
-#define _mm512_madd_epi16(a, b) simde_mm512_madd_epi16(a, b)
-/* ... and has no _mm512_cvtepu8_epi16 or _mm512_cvtepi32_ps: the same operations on two 256-bit halves */
-static inline simde__m512i cvtepu8_epi16(simde__m256i v) {
-    return simde_mm512_inserti64x4(simde_mm512_castsi256_si512(simde_mm256_cvtepu8_epi16(simde_mm256_castsi256_si128(v))),
-                                   simde_mm256_cvtepu8_epi16(simde_mm256_extracti128_si256(v, 1)), 1);
-}
-static inline simde__m512 cvtepi32_ps(simde__m512i v) {
-    return simde_mm512_insertf32x8(simde_mm512_castps256_ps512(simde_mm256_cvtepi32_ps(simde_mm512_castsi512_si256(v))),
-                                   simde_mm256_cvtepi32_ps(simde_mm512_extracti64x4_epi64(v, 1)), 1);
-}
-#define _mm512_cvtepu8_epi16 cvtepu8_epi16
-#define _mm512_cvtepi32_ps cvtepi32_ps
-#endif
+#include "cpu_simde512.h"
 #include <immintrin.h>
 #include "cpu_simd.h"
 #include "cpu_int8.h"
@@ -90,29 +76,7 @@ BLOCK block(const int R, const int16_t* x, const float* xsum, int64_t Kp, int64_
     }
 }
 
-/* each row count compiled for each format (cpu_int8.h `FMT_*`) */
-#define FORMAT(R, fmt) \
-    static void block_##R##_##fmt(const int16_t* x, const float* xsum, int64_t Kp, int64_t Gp, const uint8_t* g, \
-                                  const char* d, const char* m, int64_t ahead, float s[4][4]) { \
-        block(R, x, xsum, Kp, Gp, g, d, m, ahead, s, (fmt) & FMT_NIBBLES, ((fmt) & FMT_HALF) != 0); }
-#define ROWS(R) FORMAT(R, 0) FORMAT(R, 1) FORMAT(R, 2) FORMAT(R, 3)
-ROWS(1) ROWS(2) ROWS(3) ROWS(4)
+/* each row count compiled for each format, and `group` over them (cpu_int8.h) */
+BLOCKS_AND_GROUP(block)
 
-/* every row of xq times one group, in even chunks of at most 4 rows (8 -> 4 + 4, 7 -> 4 + 3), each one block */
-static void group(const int16_t* xq, const float* xsum, const float* xs, int64_t M, int64_t Kp, int64_t Gp,
-                  const uint8_t* g, const char* d, const char* m, int64_t ahead, const float* bias, float* y,
-                  int64_t ldy, int64_t nb, int fmt) {
-#define BY_ROWS(f) {0, block_1_##f, block_2_##f, block_3_##f, block_4_##f}
-    static const block_fn by_fmt[4][5] = {BY_ROWS(0), BY_ROWS(1), BY_ROWS(2), BY_ROWS(3)};
-    const block_fn* by_rows = by_fmt[fmt];
-    int64_t chunks = (M + 3) / 4, i0 = 0;
-    for (int64_t c = 0; c < chunks; c++) {
-        int64_t r = chunk_rows(M, i0, chunks, c);
-        float s[4][4];
-        by_rows[r](xq + i0 * Kp, xsum + i0 * Gp, Kp, Gp, g, d, m, ahead, s);
-        store(s, r, nb, xs + i0, bias, y + i0 * ldy, ldy);
-        i0 += r;
-    }
-}
-
-DL_INT8_LINEAR(group)
+DL_INT8_LINEAR(group, 32767.0f, 0)

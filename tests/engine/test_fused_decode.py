@@ -26,16 +26,17 @@ def outputs(llm: LLM, prompts: list[list[int]]) -> list:
             for r in llm.generate(requests, params)]
 
 
-SIMDE = cpu_int8.unavailable("avx512-simde")
+def simde(build: str):
+    why = cpu_int8.unavailable(build)
+    return pytest.param(build, marks=pytest.mark.skipif(why is not None, reason=f"no SIMDe build: {why}"))
 
 
-@pytest.mark.parametrize("build", ["avx2", pytest.param("avx512-simde", marks=pytest.mark.skipif(
-    SIMDE is not None, reason=f"no SIMDe build: {SIMDE}"))])
+@pytest.mark.parametrize("build", ["avx2", simde("avx512-simde"), simde("avx512vnni-simde")])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_fused_steps_give_the_module_paths_bits(arch, build, tiny_llama_dir, tiny_qwen2_dir, monkeypatch):
-    # avx512-simde: the AVX-512 build's source on SIMDe, where a CPU with AVX-512 has its own build
-    if build == "avx512-simde":
-        monkeypatch.setitem(cpu_int8.KERNELS, "avx512", cpu_int8.KERNELS["avx512-simde"])
+    # <build>-simde: an AVX-512 build's source on SIMDe, where a CPU with those instructions has its own build
+    if build.endswith("-simde"):
+        monkeypatch.setitem(cpu_int8.KERNELS, build.removesuffix("-simde"), cpu_int8.KERNELS[build])
     monkeypatch.setenv("DECODELAB_INT8_KERNEL", build.removesuffix("-simde"))
     model_dir = tiny_llama_dir if arch == "llama" else tiny_qwen2_dir
     prompts = [random_prompt(9, seed=s) * 2 for s in range(3)]  # repeats give the n-gram proposer drafts

@@ -27,27 +27,34 @@ FBGEMM = _fbgemm_error()  # None, or why fbgemm does not run on this CPU
 needs_fbgemm = pytest.mark.skipif(FBGEMM is not None, reason=f"no fbgemm here: {FBGEMM}")
 AVX2 = cpu_int8.unavailable("avx2")  # None, or why kernels/cpu_int8.c does not build or run here
 needs_avx2 = pytest.mark.skipif(AVX2 is not None, reason=f"no avx2 int8 kernel here: {AVX2}")
+def _build(name: str):
+    """pytest.param of one cpu_int8 build, skipped where it does not run (the reason names what is missing)"""
+    why = cpu_int8.unavailable(name)
+    return pytest.param(name, marks=pytest.mark.skipif(why is not None, reason=f"no {name} int8 kernel: {why}"))
+
+
 AVX512 = cpu_int8.unavailable("avx512")  # None, or why (the instructions the CPU lacks) cpu_int8_avx512.c does not
+VNNI = cpu_int8.unavailable("avx512vnni")  # the same for cpu_int8_vnni.c
 SIMDE = cpu_int8.unavailable("avx512-simde")  # the AVX-512 source on SIMDe's portable intrinsics: on any x86 CPU
-# "avx512-simde": the engine with DECODELAB_INT8_KERNEL=avx512 as on a CPU with AVX-512, its build on SIMDe (`ours`)
-OURS = [pytest.param("avx2", marks=needs_avx2),
-        pytest.param("avx512", marks=pytest.mark.skipif(AVX512 is not None, reason=f"no avx512 int8 kernel: {AVX512}")),
-        pytest.param("avx512-simde", marks=pytest.mark.skipif(SIMDE is not None, reason=f"no SIMDe build: {SIMDE}"))]
+# "<build>-simde": the engine with DECODELAB_INT8_KERNEL=<build> as on a CPU that has it, its source on SIMDe (`ours`)
+OURS = [pytest.param("avx2", marks=needs_avx2), *map(_build, ("avx512", "avx512vnni", "avx512-simde",
+                                                                "avx512vnni-simde"))]
 KERNELS = [pytest.param("fbgemm", marks=needs_fbgemm), *OURS, "dequant"]
 BATCH_INVARIANT = [pytest.param("fbgemm", marks=needs_fbgemm), *OURS]
 # ||int8 - fp32|| / ||fp32|| on random N(0, 1) inputs and weights: 7-bit weights and 8-bit activations (fbgemm)
 # measure ~0.9%, 8-bit weight-only (ours, dequant) ~0.4%; the bounds leave 2x.
-REL_ERROR = {"fbgemm": 0.02, "avx2": 0.01, "avx512": 0.01, "avx512-simde": 0.01, "dequant": 0.01}
+REL_ERROR = {"fbgemm": 0.02, "dequant": 0.01} | dict.fromkeys(cpu_int8.KERNELS, 0.01)
 
 
 def ours(kernel: str, monkeypatch) -> str:
-    """The int8_linear kernel name for `kernel`; "avx512-simde" puts the SIMDe build where the AVX-512 one goes and
-    sets DECODELAB_INT8_KERNEL=avx512, so the engine runs as on a CPU with AVX-512."""
-    if kernel != "avx512-simde":
+    """The int8_linear kernel name for `kernel`; "<build>-simde" puts the SIMDe build where <build> goes and sets
+    DECODELAB_INT8_KERNEL=<build>, so the engine runs as on a CPU that has it."""
+    if not kernel.endswith("-simde"):
         return kernel
-    monkeypatch.setitem(cpu_int8.KERNELS, "avx512", cpu_int8.KERNELS["avx512-simde"])
-    monkeypatch.setenv("DECODELAB_INT8_KERNEL", "avx512")
-    return "avx512"
+    build = kernel.removesuffix("-simde")
+    monkeypatch.setitem(cpu_int8.KERNELS, build, cpu_int8.KERNELS[kernel])
+    monkeypatch.setenv("DECODELAB_INT8_KERNEL", build)
+    return build
 
 
 def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -119,6 +126,7 @@ def test_kernel_choice_and_its_switch(monkeypatch):
     default = cpu_int8.default_isa() if cpu_int8.unavailable() is None else "fbgemm" if FBGEMM is None else "dequant"
     assert int8_kernel(torch.device("cpu")) == default
     assert default != "avx2" or AVX512 is not None  # the AVX-512 build where the CPU has it
+    assert default != "avx512" or VNNI is not None  # the VNNI one where it has that too
     monkeypatch.setenv("DECODELAB_INT8_KERNEL", "fbgemm")
     if FBGEMM is None:
         assert int8_kernel(torch.device("cpu")) == "fbgemm"
@@ -130,13 +138,14 @@ def test_kernel_choice_and_its_switch(monkeypatch):
     else:
         with pytest.raises(ValueError, match="avx2 does not run here"):
             int8_kernel(torch.device("cpu"))
-    monkeypatch.setenv("DECODELAB_INT8_KERNEL", "avx512")
-    if AVX512 is None:
-        assert int8_kernel(torch.device("cpu")) == "avx512"
-    else:
-        # names what the CPU lacks (or the generic switch, where a run forced it before the build was tried)
-        with pytest.raises(ValueError, match="avx512 does not run here.*(avx512|generic)"):
-            int8_kernel(torch.device("cpu"))
+    for build, why in (("avx512", AVX512), ("avx512vnni", VNNI)):
+        monkeypatch.setenv("DECODELAB_INT8_KERNEL", build)
+        if why is None:
+            assert int8_kernel(torch.device("cpu")) == build
+        else:
+            # names what the CPU lacks (or the generic switch, where a run forced it before the build was tried)
+            with pytest.raises(ValueError, match=f"{build} does not run here.*(avx512|generic)"):
+                int8_kernel(torch.device("cpu"))
     monkeypatch.setenv("DECODELAB_INT8_KERNEL", "int4")
     with pytest.raises(ValueError, match="DECODELAB_INT8_KERNEL"):
         int8_kernel(torch.device("cpu"))
@@ -319,7 +328,7 @@ def test_split_weight_sends_generated_rows_to_our_kernel_and_prompt_rows_to_fbge
         got = split(x)
     finally:
         generated_rows.reset(token)
-    # our kernel's build for this CPU: avx512 where it has AVX-512 F + BW (its lanes add in another order than avx2's)
+    # our kernel's build for this CPU: avx512vnni or avx512 where it has them (their lanes add in other orders)
     assert split.generated.kernel == cpu_int8.default_isa()
     assert torch.equal(got[:3], Int8Weight(w, None, cpu_int8.default_isa())(x[:3]))
     assert torch.equal(got[3:], Int8Weight(w, None, "fbgemm")(x[3:]))

@@ -25,9 +25,9 @@ def quantized_rows(x, xmax=32767):
     return torch.round(x * (1 / step)[:, None]), step
 
 
-def exact(x, w: cpu_int8.GroupedInt8, bias=None):
+def exact(x, w: cpu_int8.GroupedInt8, bias=None, xmax=32767):
     """the kernel's result in float64 from the same integers: per group d * (xq . u) + m * sum(xq), times the step"""
-    xq, step = quantized_rows(x)
+    xq, step = quantized_rows(x, xmax)
     xq = torch.nn.functional.pad(xq.double(), (0, w.u.shape[1] - w.k)).view(x.shape[0], 1, w.d.shape[1], 32)
     u = w.u.double().view(w.n, -1, 32)
     y = ((xq * u).sum(-1) * w.d.double() + xq.sum(-1) * w.m.double()).sum(-1) * step.double()[:, None]
@@ -52,7 +52,8 @@ def check(x, w: cpu_int8.GroupedInt8, bias=None, isa=None) -> torch.Tensor:
     assert got.shape == (x.shape[0], w.n) and got.dtype == torch.float32
     terms = x.abs().amax(1, keepdim=True).double() * (w.u.double().view(w.n, -1, 32).sum(-1) * w.d.double()
                                                       + 32 * w.m.double().abs()).sum(-1)
-    assert ((got.double() - exact(x, w, bias)).abs() <= 1e-6 * terms + 1e-6).all()
+    want = exact(x, w, bias, cpu_int8.ACTIVATION_MAX[matrix.isa])
+    assert ((got.double() - want).abs() <= 1e-6 * terms + 1e-6).all()
     for i in range(x.shape[0]):
         assert torch.equal(matrix(x[i:i + 1])[0], got[i])
     return got
@@ -255,13 +256,17 @@ def test_the_avx512_build_gives_the_avx2_builds_results_to_the_rounding_of_its_l
 
 def test_the_build_is_chosen_from_the_cpu_and_decodelab_cpu_isa_narrows_it(monkeypatch):
     monkeypatch.delenv("DECODELAB_CPU_ISA", raising=False)  # the CPU's choice, also in a run forcing a narrower one
-    wide = cpu_int8.KERNELS["avx512"]
-    assert cpu_int8.default_isa() == ("avx512" if wide.unavailable() is None else "avx2")
-    if wide.unavailable() is not None:
-        assert "avx512" in wide.unavailable() or "generic" in wide.unavailable()  # names what the CPU lacks
-        if cpu_int8.unavailable("avx512-simde") is None:  # as a CPU with AVX-512 would: its build where it runs
-            monkeypatch.setitem(cpu_int8.KERNELS, "avx512", cpu_int8.KERNELS["avx512-simde"])
-            assert cpu_int8.default_isa() == "avx512"
+    vnni, wide = cpu_int8.KERNELS["avx512vnni"], cpu_int8.KERNELS["avx512"]
+    assert cpu_int8.default_isa() == ("avx512vnni" if vnni.unavailable() is None
+                                      else "avx512" if wide.unavailable() is None else "avx2")
+    for name, lacks in (("avx512vnni", "avx512"), ("avx512", "avx512")):
+        why = cpu_int8.KERNELS[name].unavailable()
+        assert why is None or lacks in why or "generic" in why  # names what the CPU lacks
+    # as a CPU with the instructions would: the widest build that runs (SIMDe's in place of the ones missing here)
+    for name in ("avx512", "avx512vnni"):
+        if cpu_int8.unavailable(name) is not None and cpu_int8.unavailable(f"{name}-simde") is None:
+            monkeypatch.setitem(cpu_int8.KERNELS, name, cpu_int8.KERNELS[f"{name}-simde"])
+            assert cpu_int8.default_isa() == name
     monkeypatch.setenv("DECODELAB_CPU_ISA", "avx2")
     assert cpu_int8.default_isa() == "avx2" and cpu_int8.Matrix(cpu_int8.quantize(torch.ones(4, 32))).isa == "avx2"
     monkeypatch.setenv("DECODELAB_CPU_ISA", "avx3")

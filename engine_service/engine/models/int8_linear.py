@@ -1,11 +1,12 @@
 """INT8 linears: 8-bit weights, activations quantized at run time.
 
-Four kernels, `int8_kernel` picks one:
+Our kernel's builds and two of PyTorch's; `int8_kernel` picks one:
 
-- "avx512" (x86 CPUs with AVX-512 F + BW and a C compiler: the CPU default there; DECODELAB_INT8_KERNEL=avx512
-  insists on it) and "avx2" (x86 CPUs with AVX2: the default elsewhere, and DECODELAB_CPU_ISA=avx2 or
-  DECODELAB_INT8_KERNEL=avx2 on any): the two builds of our own kernel (kernels/cpu_int8_avx512.c and
-  kernels/cpu_int8.c, the same format and integers, built on first use) for every matmul and the LM head, prompt
+- "avx512vnni" (x86 CPUs with AVX512-VNNI and a C compiler: the CPU default there), "avx512" (AVX-512 F + BW
+  without VNNI: the default there; DECODELAB_INT8_KERNEL=avx512vnni or =avx512 insists on one) and "avx2" (x86 CPUs
+  with AVX2: the default elsewhere, and DECODELAB_CPU_ISA=avx2 or DECODELAB_INT8_KERNEL=avx2 on any): the three
+  builds of our own kernel (kernels/cpu_int8_vnni.c, cpu_int8_avx512.c and cpu_int8.c, the same weight format and
+  the same integer products, built on first use) for every matmul and the LM head, prompt
   and generated rows alike. Weights are 8-bit codes in groups of 32 along K, each group with its own fp32 step and
   offset (kernels/cpu_int8.py `GroupedInt8`, `quantize`: a group's 256 levels span its own [min, max]; a weight whose
   codes are all on a 16-level grid, as a Q4_1 GGUF's are, is held as 4-bit codes: `Matrix.nibbles`); activations are
@@ -60,8 +61,8 @@ import torch.nn.functional as F
 from kernels import cpu_int8, cpu_layer_ops
 from kernels._cbuild import generic_cpu
 
-KERNELS = ("avx512", "avx2", "fbgemm", "dequant")
-OURS = ("avx512", "avx2")  # the builds of kernels/cpu_int8 (cpu_int8.KERNELS' names)
+KERNELS = ("avx512vnni", "avx512", "avx2", "fbgemm", "dequant")
+OURS = ("avx512vnni", "avx512", "avx2")  # the builds of kernels/cpu_int8 (cpu_int8.KERNELS' names)
 QMAX = {"avx512": 127, "avx2": 127, "fbgemm": 63, "dequant": 127}
 
 # Seen once at load to find each matmul's activation ranges (SmoothQuant calibration): prose, code, numbers.
@@ -129,7 +130,7 @@ def _fbgemm_error() -> str | None:
 
 def int8_kernel(device: torch.device) -> str:
     """Which kernel int8 linears use on `device`: on a CPU our kernel where it builds (cpu_int8.default_isa():
-    "avx512" or "avx2"), else "fbgemm" where that runs, else "dequant"; "dequant" on other devices.
+    "avx512vnni", "avx512" or "avx2"), else "fbgemm" where that runs, else "dequant"; "dequant" on other devices.
     DECODELAB_INT8_KERNEL forces one ("fbgemm": the faster-prefilling mix with 8-bit activations that was the
     default before the grouped weights; tests, A/B runs)."""
     forced = os.environ.get("DECODELAB_INT8_KERNEL", "")
@@ -176,7 +177,7 @@ generated_rows: contextvars.ContextVar[int] = contextvars.ContextVar("generated_
 
 def projection_kernels(kernel: str) -> dict[str, str]:
     """The kernel each projection runs on a model quantized for `kernel` ("fp16": HeadWeight; "<isa>|fbgemm":
-    RowSplitWeight, its generated rows on our kernel's build for this CPU, "avx2" or "avx512"). On fbgemm where
+    RowSplitWeight, its generated rows on our kernel's build for this CPU, cpu_int8.default_isa()). On fbgemm where
     our kernel builds, generated tokens' rows run it everywhere and only the prompt tokens' rows of q/k/v and
     gate/up quantize their activations to int8 through fbgemm; o_proj, down_proj and the head, whose inputs carry
     the outliers int8 activations handle worst, run our kernel (int16 activations) for every row. Without a C
