@@ -96,7 +96,11 @@ def _stage(name: str, snap: Snap, prev: _Dist | None, token: int, n: int) -> tup
     # a dense stage in C where it has no -inf (cpu_logits: log-sum-exp and top-n in two passes), a cut one on its
     # kept tokens only (~50 of 49k); raw and temperature remove no token, so they count none
     if isinstance(snap, tuple):
+        # in token order, as a dense stage's kept tokens are: the fused step gives them in its topk's order, whose
+        # ties fall by the batch's shape, and the top-n below takes tied tokens by position
         ids, sub = snap
+        order = ids.argsort()
+        ids, sub = ids[order], sub[order]
     else:
         vocab, finite = snap.shape[0], None
         if name in ("raw", "temperature"):
