@@ -10,8 +10,9 @@
    loss that kept this instruction out before); the integers are exactly the other builds' w . x. Where the
    AVX-512 build widens every code to int16 and needs a vpmaddwd, a conversion and an FMA per output and group,
    one zmm here holds a whole group of 4 outputs: the weights' bytes go in as loaded (4-bit: a mask and a shift),
-   and one conversion and one FMA per group serve all 4 outputs. Per group and row, ~2.5x fewer instructions at 1
-   row (the decode step of one stream was bound by them, not by memory) and ~2x at 4.
+   and one conversion and one FMA per group serve all 4 outputs: per group and row, about 2.5x fewer instructions
+   at 1 row and 2x at 4, on paper. Measured on an AMD Zen 5 (SmolLM2's 4-bit decoder, 2 threads): 0.88x the
+   AVX-512 build's time at 1 row and 0.81x at 8 (docs/kernels.md); 8-bit codes at 1 row are bound by memory in both.
 
    Lanes: 4-bit, a group's 64 bytes are 4 outputs x 16 bytes (`pack4`), so the low nibbles give lanes 4o..4o+3 of
    output o's k 0-15, the high nibbles k 16-31, against the row's 16 hi (or lo) bytes repeated 4 times; 8-bit, 128
