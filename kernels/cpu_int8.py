@@ -62,11 +62,10 @@ KERNELS = {
     "avx512-simde": _cbuild.CKernel("cpu_int8_avx512", _declare, ("-DDL_SIMDE", "-Wno-psabi")),
     "avx512vnni-simde": _cbuild.CKernel("cpu_int8_vnni", _declare, ("-DDL_SIMDE", "-Wno-psabi")),
 }
-# a row's bytes of 8-bit codes per piece (`pack`)
-ROW_BYTES = {"avx512vnni": 32, "avx512": 32, "avx2": 16, "avx512-simde": 32, "avx512vnni-simde": 32}
-# the int16 code of a row's largest |x| (its grid: max |x| / this): the VNNI build splits codes into two int8s
-ACTIVATION_MAX = {"avx512vnni": 32639, "avx512vnni-simde": 32639, "avx512": 32767, "avx2": 32767,
-                  "avx512-simde": 32767}
+# By source (a build's and its SIMDe twin's): a row's bytes of 8-bit codes per piece (`pack`), and the int16 code
+# of a row's largest |x| (its grid: max |x| / this; the VNNI build splits codes into two int8s).
+ROW_BYTES = {"cpu_int8": 16, "cpu_int8_avx512": 32, "cpu_int8_vnni": 32}
+ACTIVATION_MAX = {"cpu_int8": 32767, "cpu_int8_avx512": 32767, "cpu_int8_vnni": 32639}
 CPU_ISAS = ("avx2", "avx512", "generic")  # DECODELAB_CPU_ISA's values; unset or empty: what the CPU has
 
 
@@ -235,7 +234,7 @@ class Matrix:
         if self.nibbles:
             self.packed, steps = pack4(w.u // 17), w.d * 17
         else:
-            self.packed, steps = pack(w.u, ROW_BYTES[self.isa]), w.d
+            self.packed, steps = pack(w.u, ROW_BYTES[self.kernel.name]), w.d
         # fp16 steps and offsets where that rounds none of them (a GGUF's): 4 bytes fewer per 32 weights
         self.half = half_scales_enabled() and fp16_exact(steps) and fp16_exact(w.m)
         dtype = torch.float16 if self.half else torch.float32
