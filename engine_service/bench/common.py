@@ -107,6 +107,11 @@ def median(xs: list[float]) -> float:
     return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
 
 
+# The environment switches that force a fallback path: a figure taken under one says so (`cpu_info()["forced"]`).
+FALLBACK_SWITCHES = ("DECODELAB_CPU_ISA", "DECODELAB_INT8_KERNEL", "DECODELAB_INT8_NIBBLES",
+                     "DECODELAB_INT8_HALF_SCALES", "DECODELAB_CPU_KERNELS", "DECODELAB_CPU_LINEAR")
+
+
 def cpu_info() -> dict:
     """The CPU a figure came from: model name, cores, and the vector ISA the kernels can use (AVX-512 or AVX2)."""
     import os
@@ -132,6 +137,9 @@ def cpu_info() -> dict:
     from kernels import cpu_int8  # the int8 kernel's build this process runs (None: none of ours builds)
 
     int8_isa = cpu_int8.default_isa() if cpu_int8.unavailable() is None else None
+    forced = {k: os.environ[k] for k in FALLBACK_SWITCHES if os.environ.get(k)}
+    label = f"{model} ({os.cpu_count()} cores, {isa.upper()}{', ' + ', '.join(extras) if extras else ''})"
+    if forced:
+        label += " forced " + " ".join(f"{k}={v}" for k, v in forced.items())
     return {"model": model, "family": ids.get("cpu family"), "model_id": ids.get("model"), "cores": os.cpu_count(),
-            "isa": isa, "isa_extras": extras, "int8_isa": int8_isa,
-            "label": f"{model} ({os.cpu_count()} cores, {isa.upper()}{', ' + ', '.join(extras) if extras else ''})"}
+            "isa": isa, "isa_extras": extras, "int8_isa": int8_isa, "forced": forced, "label": label}

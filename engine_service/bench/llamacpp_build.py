@@ -14,6 +14,8 @@ anchor runs), extract `vendor/llama.cpp`, and `cmake --build --target llama-serv
 build also leaves libllama.so beside llama-server: llama-cpp-python loads it instead of its own when
 LLAMA_CPP_LIB_PATH names that directory, which is how the single-stream anchor runs the flagged build without a
 reinstall. `install_python_package` reinstalls llama-cpp-python itself with the same flags (CMAKE_ARGS).
+DECODELAB_CPU_ISA=avx2 (or generic) narrows the flags as it narrows our kernels: `DECODELAB_CPU_ISA=avx2 decodelab
+bench aggregate` on an AVX-512 machine runs both sides on AVX2 alone.
 """
 from __future__ import annotations
 
@@ -90,12 +92,25 @@ def ggml_flags(machine: str, flags: set[str]) -> list[str]:
     return out
 
 
+def narrowed(flags: set[str], isa: str) -> set[str]:
+    """The CPU flags as our kernels see them under DECODELAB_CPU_ISA: `avx2` drops AVX-512, AVX-VNNI and AMX (an
+    AMD Zen 3 as far as either side can tell), `generic` also AVX, AVX2, FMA and F16C (a CPU without AVX2). So a
+    forced-fallback run compares ours against llama.cpp restricted to the same instructions."""
+    if isa not in ("avx2", "generic"):
+        return flags
+    drop = {f for f in flags if f.startswith(("avx512", "amx")) or f == "avx_vnni"}
+    if isa == "generic":
+        drop |= {"avx", "avx2", "fma", "f16c"}
+    return flags - drop
+
+
 def this_cpu_flags() -> list[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         text = ""
-    return ggml_flags(platform.machine(), cpu_flags(text))
+    isa = os.environ.get("DECODELAB_CPU_ISA", "").lower()
+    return ggml_flags(platform.machine(), narrowed(cpu_flags(text), isa))
 
 
 @dataclass(frozen=True)

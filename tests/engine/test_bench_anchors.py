@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from engine_service.bench import llamacpp, llamacpp_build
-from engine_service.bench.llamacpp_build import Build, cmake_commands, cpu_flags, ggml_flags
+from engine_service.bench.llamacpp_build import Build, cmake_commands, cpu_flags, ggml_flags, narrowed
 
 # /proc/cpuinfo `flags` lines as the machines print them (trimmed to the ISA part)
 ZEN3 = ("flags\t\t: fpu vme sse sse2 ssse3 fma cx16 sse4_1 sse4_2 movbe popcnt aes xsave avx f16c rdrand bmi1 avx2 "
@@ -46,6 +46,23 @@ def test_an_older_x86_cpu_turns_off_what_ggml_would_otherwise_assume():
     assert "-DGGML_AVX=ON" in flags
     for off in ("AVX2", "FMA", "F16C", "BMI2"):  # default ON with GGML_NATIVE=OFF: would SIGILL here
         assert f"-DGGML_{off}=OFF" in flags
+
+
+def test_forcing_avx2_builds_the_anchor_an_avx2_only_cpu_would_get():
+    # DECODELAB_CPU_ISA=avx2 on a Sapphire Rapids: llama.cpp loses AVX-512, AVX-VNNI and AMX as our kernels do
+    assert ggml_flags("x86_64", narrowed(cpu_flags(SAPPHIRE_RAPIDS), "avx2")) == ggml_flags(
+        "x86_64", narrowed(cpu_flags(ZEN3), "avx2")) == ggml_flags("x86_64", cpu_flags(ZEN3))
+    generic = ggml_flags("x86_64", narrowed(cpu_flags(SAPPHIRE_RAPIDS), "generic"))
+    for off in ("AVX", "AVX2", "FMA", "F16C"):
+        assert f"-DGGML_{off}=OFF" in generic
+    assert narrowed(cpu_flags(SAPPHIRE_RAPIDS), "") == narrowed(cpu_flags(SAPPHIRE_RAPIDS), "avx512") == cpu_flags(
+        SAPPHIRE_RAPIDS)
+
+
+def test_the_anchor_build_follows_decodelab_cpu_isa(monkeypatch):
+    monkeypatch.setenv("DECODELAB_CPU_ISA", "avx2")
+    flags = llamacpp_build.this_cpu_flags()
+    assert not any("AVX512" in f or "VNNI" in f for f in flags)
 
 
 def test_arm64_keeps_ggml_defaults():
@@ -156,3 +173,16 @@ def test_a_child_that_fails_otherwise_is_skipped_with_its_error(tmp_path):
     row = llamacpp.run_child({"gguf": str(tmp_path / "m.gguf"), "threads": 1, "prompt_len": 4, "new_tokens": 3,
                               "runs": 1}, lib_dir=None)
     assert row["skipped"].startswith("llama.cpp child exited 1") and "llama_cpp" in row["skipped"]
+
+
+def test_a_figure_taken_with_a_fallback_forced_says_so(monkeypatch):
+    from engine_service.bench.common import FALLBACK_SWITCHES, cpu_info
+
+    for name in FALLBACK_SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    assert cpu_info()["forced"] == {} and "forced" not in cpu_info()["label"]
+    monkeypatch.setenv("DECODELAB_CPU_ISA", "avx2")
+    info = cpu_info()
+    assert info["forced"] == {"DECODELAB_CPU_ISA": "avx2"}
+    assert info["label"].endswith("forced DECODELAB_CPU_ISA=avx2")
+    assert info["int8_isa"] in ("avx2", None)  # the kernel build the figure ran
