@@ -9,7 +9,10 @@ Per server, with the `openai` client: a warm-up; `--runs` single streams (TPOT =
 (tokens - 1), the median over runs); then `--runs` bursts of `--streams` concurrent streaming completions, greedy
 (temperature 0), `ignore_eos`, `--max-tokens` each, the same prompts for both servers (fresh words every run: no
 prompt cache hit between runs). A burst's aggregate tok/s = generated tokens / wall time (first request sent to last
-stream done); the JSON has every run, the best and the median, and ours / llama-server's ratios. Tokens are the
+stream done); the JSON has every run, the best and the median, and ours / llama-server's ratios. `ours.replica_steps`
+reads our replica's own step records back from Redis: its median decode step with all streams in it during the
+bursts (to set beside the in-process step of `bench throughput` / `step_profile`: what serving on the same cores
+costs), the steps' share of the bursts' wall time and prefill's share of the steps. Tokens are the
 server's `usage.completion_tokens`, else the count of text chunks.
 
 `--order interleaved` (the default): both servers up, idle between their turns, and each run of one taken right
@@ -85,6 +88,21 @@ def burst_summary(traces: list[StreamTrace]) -> dict:
     tokens = sum(t.tokens for t in traces)
     return {"streams": len(traces), "tokens": tokens, "wall_s": end - start, "tok_per_s": tokens / (end - start),
             "finish": dict(Counter(t.finish for t in traces))}
+
+
+def replica_steps(records: list, windows: list[tuple[float, float]], streams: int) -> dict | None:
+    """What our replica's engine did during the bursts, from its own step records (shared.monitor.StepRecord, read
+    back from Redis): the median decode step with every stream in it (against `bench throughput`'s or
+    `step_profile`'s in-process step, the cost of serving beside the engine on the same cores), the share of the
+    bursts' wall time spent in steps, and prefill's share of it. `windows`: each burst's (start, end), unix time."""
+    inside = [r for r in records if any(a <= r.start and r.start + r.seconds <= b for a, b in windows)]
+    full = [r.seconds for r in inside if r.prefill_tokens == 0 and r.num_seqs == streams]
+    if not inside or not full:
+        return None
+    busy = sum(r.seconds for r in inside)
+    return {"decode_step_ms": median(full) * 1e3, "decode_steps": len(full), "steps": len(inside),
+            "busy_share": busy / sum(b - a for a, b in windows),
+            "prefill_share": sum(r.seconds for r in inside if r.prefill_tokens) / busy}
 
 
 def best_and_median(runs: list[dict], key: str = "tok_per_s") -> dict:
@@ -165,8 +183,10 @@ async def measure(sides: dict[str, tuple[str, str]], args) -> dict[str, dict]:
         for r in range(args.runs):
             prompts = prompts_for(args.seed + r, args.streams, args.prompt_words)
             for label, client, model in turns(r):
+                start = time.time()
                 b = burst_summary(list(await asyncio.gather(
                     *(stream_one(client, model, p, args.max_tokens) for p in prompts))))
+                b["window"] = [start, time.time()]
                 bursts[label].append(b)
                 print(f"{label}: {args.streams} streams, run {r + 1}: {b['tok_per_s']:.1f} tok/s "
                       f"({b['tokens']} tokens in {b['wall_s']:.2f} s, finish {b['finish']})", flush=True)
@@ -217,24 +237,52 @@ def system_info(lib_dir: Path) -> str | None:
     return (proc.stdout.strip() or None) if proc.returncode == 0 else None
 
 
+@dataclass
+class OurServer:
+    url: str  # the OpenAI API's base URL
+    redis_url: str
+    prefix: str  # the replicas' key prefix (shared.keys.Keys)
+
+    def step_records(self) -> list:
+        """Every step record our replicas keep in Redis (up to shared.monitor.STEPS_MAXLEN each)."""
+        from redis import asyncio as aioredis
+
+        from shared.keys import Keys
+        from shared.monitor import STEPS_MAXLEN, steps
+
+        async def read() -> list:
+            r = aioredis.Redis.from_url(self.redis_url, decode_responses=True)
+            try:
+                keys = Keys(self.prefix)
+                out = []
+                async for key in r.scan_iter(match=keys.steps("*")):  # every replica's, heartbeat or not
+                    out += (await steps(r, keys, key.removeprefix(keys.steps("")), count=2 * STEPS_MAXLEN))[0]
+                return out
+            finally:
+                await r.aclose()
+
+        return asyncio.run(read())
+
+
 @contextmanager
 def our_server(args):
-    """A private Redis and one replica (its API, or the front's): the base URL."""
+    """A private Redis and one replica (its API, or the front's)."""
     from engine_service.server.redis_server import RedisServer
 
     redis = RedisServer().start()
+    prefix = f"bench-aggregate-{time.time_ns()}"
     try:
         if args.via == "front":
             from engine_service.bench.route import cluster
 
             with cluster(args, 1, False, redis.url) as c:
-                yield c.api_url
+                yield OurServer(c.api_url, redis.url, c.prefix)
         else:
             from engine_service.bench.serve import start_replica
 
-            stack, url = start_replica(args, redis.url, f"bench-aggregate-{time.time_ns()}")
+            stack, url = start_replica(args, redis.url, prefix)
             try:
-                yield url
+                yield OurServer(url, redis.url, prefix)
             finally:
                 stack.stop()
     finally:
@@ -269,9 +317,14 @@ def run(args) -> int:
                 res["llama_server"] = asyncio.run(measure(sides, args))["llama-server"]
                 servers.close()
                 sides = {}
+        ours = None
         if "ours" not in skip:
-            sides["ours"] = (servers.enter_context(our_server(args)), args.model)
+            ours = servers.enter_context(our_server(args))
+            sides["ours"] = (ours.url, args.model)
         measured = asyncio.run(measure(sides, args)) if sides else {}
+        if ours is not None:
+            windows = [tuple(b["window"]) for b in measured["ours"]["aggregate"]["runs"]]
+            measured["ours"]["replica_steps"] = replica_steps(ours.step_records(), windows, args.streams)
     if "llama-server" in measured:
         res["llama_server"] = measured["llama-server"]
     if "llama_server" in res:
@@ -280,6 +333,11 @@ def run(args) -> int:
     if "ours" in measured:
         res["ours"] = measured["ours"]
         res["ours"].update(quantization=args.quantization, via=args.via)
+        if res["ours"].get("replica_steps"):
+            st = res["ours"]["replica_steps"]
+            print(f"ours, in the replica during the bursts: a {args.streams}-stream decode step "
+                  f"{st['decode_step_ms']:.2f} ms (median of {st['decode_steps']}), steps {st['busy_share']:.0%} of "
+                  f"the wall, prefill {st['prefill_share']:.0%} of the steps", flush=True)
     res["order"] = args.order
     if "llama_server" in res and "ours" in res:
         res["ratios"] = ratios(res["ours"], res["llama_server"])

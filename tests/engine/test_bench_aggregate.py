@@ -40,6 +40,24 @@ def test_ratios_are_ours_over_llama_servers_and_say_which_goals_are_met():
     assert r["goals_met"] == {"aggregate": True, "single_stream": False}
 
 
+def test_the_replicas_own_steps_during_the_bursts_give_its_full_batch_decode_step():
+    from shared.monitor import StepRecord
+
+    def rec(step, start, ms, prefill=0, seqs=8):
+        return StepRecord(step=step, start=start, seconds=ms / 1e3, prefill_tokens=prefill, decode_tokens=seqs,
+                          num_seqs=seqs, flops=0, bytes=0)
+
+    records = [rec(1, 99.0, 50.0, seqs=1),  # before the bursts: a single stream's
+               rec(2, 100.00, 200.0, prefill=250), rec(3, 100.21, 12.0), rec(4, 100.23, 14.0), rec(5, 100.25, 13.0),
+               rec(6, 100.27, 9.0, seqs=3),  # the burst's tail: fewer streams
+               rec(7, 200.0, 11.0), rec(8, 200.02, 15.0)]
+    st = aggregate.replica_steps(records, [(100.0, 100.3), (200.0, 200.04)], streams=8)
+    assert st["decode_step_ms"] == pytest.approx(13.0) and st["decode_steps"] == 5 and st["steps"] == 7
+    assert st["busy_share"] == pytest.approx(0.274 / 0.34)
+    assert st["prefill_share"] == pytest.approx(200 / 274)
+    assert aggregate.replica_steps(records, [(300.0, 301.0)], streams=8) is None  # nothing in the windows
+
+
 def test_interleaved_runs_pair_up_and_flip_who_goes_first():
     assert [aggregate.run_order(["llama-server", "ours"], r) for r in range(3)] == [
         ["llama-server", "ours"], ["ours", "llama-server"], ["llama-server", "ours"]]

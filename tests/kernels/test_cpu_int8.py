@@ -210,7 +210,8 @@ def test_q4_weights_run_as_4_bit_codes_with_the_8_bit_results(isa, rows, n, k, s
     torch.testing.assert_close(got, eight(x), rtol=1e-5, atol=1e-5 * float(got.abs().max()))
 
 
-def test_a_q4_weight_with_groups_also_on_a_symmetric_grid_stays_4_bit():
+def test_a_q4_weight_with_groups_also_on_a_symmetric_grid_stays_4_bit(monkeypatch):
+    monkeypatch.delenv("DECODELAB_INT8_NIBBLES", raising=False)  # on, also in a run that forces the fallback
     # a Q4_1 group with m = -113 / 1024 and d = 16 / 1024 (as in SmolLM2's o_proj) is also on Q8_0's grid (max |w| /
     # 127 = 1 / 1024, every value a whole multiple): the Q8_0 check must not re-code it and leave the matrix 8-bit
     w = q4_grid(8, 64, 0)

@@ -92,3 +92,22 @@ def test_the_heartbeat_carries_the_measured_roofs(worker, sync_redis, keys):
     roofs = json.loads(raw)["roofs"]
     assert roofs["kind"] == "float32" and roofs["flops_per_s"] > 1e9 and roofs["bytes_per_s"] > 1e9
     assert roofs == worker.state.roofs
+
+
+def test_bench_aggregate_reads_the_replicas_steps_back_and_finds_its_full_batch_decode_step(worker, redis_server, keys):
+    import time
+
+    from engine_service.bench.aggregate import OurServer, replica_steps
+
+    start = time.time()
+    done = run(_generate(redis_server, keys, [_request(16), _request(16)]))
+    assert all(isinstance(d, DoneEvent) for d in done)
+    ours = OurServer("http://unused", redis_server.url, keys.prefix)
+
+    def summary():
+        st = replica_steps(ours.step_records(), [(start, time.time())], streams=2)
+        return st if st and st["decode_steps"] >= 8 else None  # the second may join a step or two late
+
+    st = wait_until(summary, 10, 0.05, "the step records")  # the publisher may still be sending the last ones
+    assert st["decode_step_ms"] > 0 and st["steps"] > st["decode_steps"] and 0 < st["busy_share"] <= 1
+    assert 0 < st["prefill_share"] < 1
