@@ -42,10 +42,10 @@ class Replicas:
     """`decodelab engine` processes on one Redis prefix, each restartable."""
 
     def __init__(self, args, redis_url: str, prefix: str):
-        from engine_service.server.play import Stack, stack_env
+        from engine_service.server.play import Stack, service_env
 
         self.args, self.stack = args, Stack()
-        self.env = dict(stack_env(redis_url), DECODELAB_REDIS_PREFIX=prefix)
+        self.env = dict(service_env(redis_url), DECODELAB_REDIS_PREFIX=prefix)
         self.urls: dict[str, str] = {}
 
     def start(self, name: str, role: str) -> None:

@@ -106,7 +106,7 @@ def _stack(args):
 
     stack = Stack()
     stack.redis = RedisServer().start()
-    env = stack_env(stack.redis.url)
+    env = stack_env(stack.redis.url, args.threads)
     engine_url, web_url = f"http://127.0.0.1:{args.engine_port}", f"http://127.0.0.1:{args.web_port}"
     stack.spawn("engine", [sys.executable, "-m", "engine_service.cli", "engine", *engine_argv(args),
                            "--port", str(args.engine_port), "--served-model-name", "playground"], env)

@@ -53,11 +53,11 @@ class Cluster:
     """A private Redis, N replicas and one API front, as `decodelab play` and compose start them."""
 
     def __init__(self, args, n: int, routing: bool, redis_url: str, prefix: str):
-        from engine_service.server.play import Stack, engine_argv, stack_env
+        from engine_service.server.play import Stack, engine_argv, service_env
         from engine_service.server.redis_server import free_port
 
         self.stack, self.replica_urls, self.prefix = Stack(), [], prefix
-        env = dict(stack_env(redis_url), DECODELAB_REDIS_PREFIX=prefix, DECODELAB_MAX_PER_CLIENT="0",
+        env = dict(service_env(redis_url), DECODELAB_REDIS_PREFIX=prefix, DECODELAB_MAX_PER_CLIENT="0",
                    DECODELAB_ROUTING="1" if routing else "0")
         for i in range(n):
             port = free_port()

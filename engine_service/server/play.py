@@ -55,13 +55,24 @@ def apply_play_defaults(args) -> None:
         args.threads = max(1, len(os.sched_getaffinity(0)) - 1)
 
 
-def stack_env(redis_url: str) -> dict[str, str]:
+def stack_env(redis_url: str, engine_threads: int | None = None) -> dict[str, str]:
     """The environment of play's engine and web processes: the Redis URL (the password travels there, not in
-    argv), and OpenMP threads that sleep instead of spinning while they wait, since the engine shares the cores
-    with the web UI and a browser (bench playground, browser path: 6.75 s for the 64-token run instead of 7.78 s)."""
+    argv), and, where the engine's threads take every core (`engine_threads`, None: unknown), OpenMP threads that
+    sleep instead of spinning while they wait, since the engine then shares its cores with the web UI and a
+    browser (bench playground, browser path, two threads on two cores: 6.75 s for the 64-token run instead of 7.78
+    s). With a core left over (play's default, `--threads` = cores - 1) the threads spin as everywhere else:
+    sleeping at every barrier made a two-thread one-stream step 9.6-10.3 ms instead of 4.0 on an AMD Zen 5 (session
+    29). Where OMP_WAIT_POLICY is set already, it stays."""
     env = dict(os.environ, REDIS_URL=redis_url)
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if engine_threads is None or engine_threads >= len(os.sched_getaffinity(0)):
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return env
+
+
+def service_env(redis_url: str) -> dict[str, str]:
+    """The environment of replicas started as a deployment runs them (compose, `bench route` / `pd` / `aggregate
+    --via front`): the Redis URL and this process's environment, no UI on the cores, so no wait policy of play's."""
+    return dict(os.environ, REDIS_URL=redis_url)
 
 
 class Stack:
@@ -123,7 +134,7 @@ def run_play(args: argparse.Namespace) -> int:
             stack.redis = RedisServer().start()
             redis_url = stack.redis.url
             print(f"redis: private redis-server on 127.0.0.1:{stack.redis.port} (no persistence)", flush=True)
-        env = stack_env(redis_url)
+        env = stack_env(redis_url, args.threads)
         engine_url = f"http://{args.host}:{args.engine_port}"
         stack.spawn("engine", [sys.executable, "-m", "engine_service.cli", "engine", *engine_argv(args),
                                "--host", args.host, "--port", str(args.engine_port)], env)

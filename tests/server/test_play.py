@@ -108,3 +108,19 @@ def test_play_starts_everything_and_ctrl_c_stops_it_all(play):
     assert play.proc.wait(60) == 0
     gone, alive = psutil.wait_procs(children, timeout=10)
     assert not alive, [p.cmdline() for p in alive]
+
+
+def test_play_lets_openmp_threads_sleep_only_where_the_engine_takes_every_core(monkeypatch):
+    from engine_service.server import play
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    # a core left to the web UI and the browser (play's default: cores - 1): the threads spin, as in a deployment
+    assert "OMP_WAIT_POLICY" not in play.stack_env("redis://x", 3)
+    # every core the engine's (or unknown): they sleep at their barriers and leave the cores to the UI
+    assert play.stack_env("redis://x", 4)["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert play.stack_env("redis://x")["OMP_WAIT_POLICY"] == "PASSIVE"
+    # the benches' deployments (route, pd, aggregate --via front) have no UI on the cores
+    assert "OMP_WAIT_POLICY" not in play.service_env("redis://x") and play.service_env("redis://x")["REDIS_URL"]
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the user's own choice stays
+    assert play.stack_env("redis://x", 4)["OMP_WAIT_POLICY"] == "ACTIVE"
