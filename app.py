@@ -4,7 +4,8 @@ Everything in one container, like `decodelab play`: a private Valkey server from
 engine replica (a subprocess) and the playground, which comes up at once and says so while the model loads.
 Environment: DECODELAB_MODEL (default smollm2-135m), DECODELAB_THREADS (engine threads, default 2: a Space's
 visitors run their browser on their own machine, and without a browser beside it two engine threads beat one on
-the 2-core target, where `decodelab play` leaves a core to the local browser; docs/benchmarks.md),
+the 2-core target, where `decodelab play` leaves a core to the local browser; docs/benchmarks.md; their OpenMP
+threads spin briefly at a barrier before they sleep, OpenMP's default, unless OMP_WAIT_POLICY says otherwise),
 DECODELAB_QUANTIZATION (int8, the default as in `decodelab play` on a CPU; none: the float weights),
 DECODELAB_KV_BLOCKS (default 2048), GRADIO_SERVER_NAME / GRADIO_SERVER_PORT (the Space sets them).
 """
@@ -53,7 +54,9 @@ def start_engine(redis_url: str, extra_path: str | None) -> subprocess.Popen:
     env = dict(os.environ, REDIS_URL=redis_url, PYTHONPATH=path)
     threads = os.environ.get("DECODELAB_THREADS", "2")
     env.setdefault("OMP_NUM_THREADS", threads)
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `decodelab play`: the UI shares the cores (docs/benchmarks.md)
+    # OpenMP's own wait policy (spin briefly, then sleep): a Space's browser runs elsewhere, and on the AMD Zen 5 two
+    # threads asleep at every barrier (OMP_WAIT_POLICY=PASSIVE) read 21-22 ms TPOT through the API against 15 for the
+    # four-mode run (docs/benchmarks.md, session 29); OMP_WAIT_POLICY in the Space's settings still applies
     argv = [sys.executable, "-m", "engine_service.cli", "engine", "--model", MODEL, "--threads", threads,
             "--num-kv-blocks", os.environ.get("DECODELAB_KV_BLOCKS", "2048"), "--served-model-name", Path(MODEL).name,
             "--port", str(free_port()), "--log-level", "warning",
