@@ -50,7 +50,7 @@ def add_parser(bench_sub, add_engine_args) -> None:
 
 # ---- processes
 class Cluster:
-    """A private Redis, N replicas and one API front, as `decodelab play` and compose start them."""
+    """A private Redis, N replicas and one API front, as compose starts them (`service_env`: no UI on the cores)."""
 
     def __init__(self, args, n: int, routing: bool, redis_url: str, prefix: str):
         from engine_service.server.play import Stack, engine_argv, service_env
