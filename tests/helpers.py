@@ -65,3 +65,13 @@ class Completions:
         await asyncio.sleep(0.5)  # a late duplicate would show up now
         self._task.cancel()
         await self._pubsub.aclose()
+
+
+def cpu_int8_build(name: str):
+    """pytest.param of one kernels/cpu_int8 build, skipped where it does not run (the reason names what is missing)"""
+    import pytest
+
+    from kernels import cpu_int8
+
+    why = cpu_int8.unavailable(name)
+    return pytest.param(name, marks=pytest.mark.skipif(why is not None, reason=f"no {name} int8 kernel: {why}"))

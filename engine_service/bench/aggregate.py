@@ -270,7 +270,6 @@ def our_server(args):
     from engine_service.server.redis_server import RedisServer
 
     redis = RedisServer().start()
-    prefix = f"bench-aggregate-{time.time_ns()}"
     try:
         if args.via == "front":
             from engine_service.bench.route import cluster
@@ -280,6 +279,7 @@ def our_server(args):
         else:
             from engine_service.bench.serve import start_replica
 
+            prefix = f"bench-aggregate-{time.time_ns()}"
             stack, url = start_replica(args, redis.url, prefix)
             try:
                 yield OurServer(url, redis.url, prefix)

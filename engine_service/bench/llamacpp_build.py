@@ -109,8 +109,9 @@ def this_cpu_flags() -> list[str]:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         text = ""
-    isa = os.environ.get("DECODELAB_CPU_ISA", "").lower()
-    return ggml_flags(platform.machine(), narrowed(cpu_flags(text), isa))
+    from kernels.cpu_int8 import cpu_isa  # DECODELAB_CPU_ISA, checked as our kernels read it
+
+    return ggml_flags(platform.machine(), narrowed(cpu_flags(text), cpu_isa()))
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import pytest
 from engine_service import LLM, SamplingParams
 from engine_service.engine.models.fused_decode import FusedDecode, kernels_missing
 from kernels import cpu_int8
-from tests.helpers import GREEDY, random_prompt
+from tests.helpers import GREEDY, cpu_int8_build, random_prompt
 
 # also where a run forces the PyTorch paths (DECODELAB_CPU_KERNELS=torch): there is no fused path to test
 pytestmark = pytest.mark.skipif(kernels_missing() is not None, reason=str(kernels_missing()))
@@ -26,12 +26,7 @@ def outputs(llm: LLM, prompts: list[list[int]]) -> list:
             for r in llm.generate(requests, params)]
 
 
-def simde(build: str):
-    why = cpu_int8.unavailable(build)
-    return pytest.param(build, marks=pytest.mark.skipif(why is not None, reason=f"no SIMDe build: {why}"))
-
-
-@pytest.mark.parametrize("build", ["avx2", simde("avx512-simde"), simde("avx512vnni-simde")])
+@pytest.mark.parametrize("build", ["avx2", cpu_int8_build("avx512-simde"), cpu_int8_build("avx512vnni-simde")])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_fused_steps_give_the_module_paths_bits(arch, build, tiny_llama_dir, tiny_qwen2_dir, monkeypatch):
     # <build>-simde: an AVX-512 build's source on SIMDe, where a CPU with those instructions has its own build

@@ -21,24 +21,18 @@ from engine_service.engine.models.int8_linear import (
 )
 from engine_service.engine.models.packed_linear import Linear
 from kernels import cpu_int8
-from tests.helpers import GREEDY, random_prompt
+from tests.helpers import GREEDY, cpu_int8_build, random_prompt
 
 FBGEMM = _fbgemm_error()  # None, or why fbgemm does not run on this CPU
 needs_fbgemm = pytest.mark.skipif(FBGEMM is not None, reason=f"no fbgemm here: {FBGEMM}")
 AVX2 = cpu_int8.unavailable("avx2")  # None, or why kernels/cpu_int8.c does not build or run here
 needs_avx2 = pytest.mark.skipif(AVX2 is not None, reason=f"no avx2 int8 kernel here: {AVX2}")
-def _build(name: str):
-    """pytest.param of one cpu_int8 build, skipped where it does not run (the reason names what is missing)"""
-    why = cpu_int8.unavailable(name)
-    return pytest.param(name, marks=pytest.mark.skipif(why is not None, reason=f"no {name} int8 kernel: {why}"))
-
-
 AVX512 = cpu_int8.unavailable("avx512")  # None, or why (the instructions the CPU lacks) cpu_int8_avx512.c does not
 VNNI = cpu_int8.unavailable("avx512vnni")  # the same for cpu_int8_vnni.c
 SIMDE = cpu_int8.unavailable("avx512-simde")  # the AVX-512 source on SIMDe's portable intrinsics: on any x86 CPU
 # "<build>-simde": the engine with DECODELAB_INT8_KERNEL=<build> as on a CPU that has it, its source on SIMDe (`ours`)
-OURS = [pytest.param("avx2", marks=needs_avx2), *map(_build, ("avx512", "avx512vnni", "avx512-simde",
-                                                                "avx512vnni-simde"))]
+OURS = [pytest.param("avx2", marks=needs_avx2),
+        *map(cpu_int8_build, ("avx512", "avx512vnni", "avx512-simde", "avx512vnni-simde"))]
 KERNELS = [pytest.param("fbgemm", marks=needs_fbgemm), *OURS, "dequant"]
 BATCH_INVARIANT = [pytest.param("fbgemm", marks=needs_fbgemm), *OURS]
 # ||int8 - fp32|| / ||fp32|| on random N(0, 1) inputs and weights: 7-bit weights and 8-bit activations (fbgemm)
