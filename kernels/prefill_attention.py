@@ -13,7 +13,7 @@ class PrefillSeq:
     end: int
     context: int  # tokens in its context, the new ones included
     block_ids: torch.Tensor  # [ceil(context / block_size)] int64
-    mask: torch.Tensor | None  # [group * (end - start), context] bool, the queries folded per KV head; None: causal
+    mask: torch.Tensor | None  # [end - start, context] bool; None: causal (the chunk is its whole context)
 
 
 @dataclass
@@ -21,16 +21,20 @@ class PrefillPlan:
     """The multi-token chunks of a step (prefills, chunked prefills, speculative verification) worked out once:
     the lengths read to the host, each chunk's block ids and mask built. The engine makes one per step and reuses
     it in every layer (engine/attention.py): made per call it cost ~80 of ~260 us per layer for a 5-token
-    verification at a 100-token context (SmolLM2 shapes, the 2-core AVX2 target). A chunk behind cached context
-    attends with its queries folded per KV head ([Hkv, G * q_len, D], the mask repeated G times), faster on CPU
-    than SDPA's enable_gqa, as the decode groups do; a chunk that is its whole context stays on SDPA's causal
-    path, which skips the masked half of a long prompt."""
+    verification at a 100-token context (SmolLM2 shapes, the 2-core AVX2 target).
+
+    Each chunk goes to SDPA as one 4-D batch with enable_gqa: on the CPU that takes PyTorch's flash attention
+    kernel (blocked, online softmax, the masked half of a causal prompt skipped), where the 3-D inputs this passed
+    before took its math path (the whole score matrix, a softmax over it, a `where` for the mask). Measured on an
+    AMD Zen 5, 2 threads, SmolLM2's 9 query and 3 KV heads: a 1000-token prompt 41.5 -> 9.5 ms a layer, 2000
+    tokens 171 -> 32; 200 new tokens behind 800 cached 8.6 -> 2.9 ms; a 5-token verification at a 100-token
+    context 0.047 -> 0.040 (docs/kernels.md)."""
 
     seqs: list[PrefillSeq]
 
     @classmethod
     def of(cls, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
-           block_size: int, group: int) -> "PrefillPlan":
+           block_size: int) -> "PrefillPlan":
         cu, lens = cu_seqlens_q.tolist(), context_lens.tolist()  # host syncs, once per step
         seqs = []
         for s, ctx in enumerate(lens):
@@ -42,7 +46,7 @@ class PrefillPlan:
             mask = None
             if ctx > q_len:  # query i sits at position ctx - q_len + i and sees every key position <= that
                 positions = torch.arange(ctx, device=block_tables.device)
-                mask = (positions[None, :] <= positions[ctx - q_len:, None]).repeat(group, 1)
+                mask = positions[None, :] <= positions[ctx - q_len:, None]
             seqs.append(PrefillSeq(start, end, ctx, block_tables[s, :-(-ctx // block_size)].long(), mask))
         return cls(seqs)
 
@@ -51,21 +55,15 @@ class PrefillPlan:
         out = torch.empty_like(q)
         h, d = q.shape[1:]
         hkv = k_cache.shape[2]
-        g = h // hkv
         for s in self.seqs:
-            n, q_len = s.block_ids.numel() * k_cache.shape[1], s.end - s.start
+            n = s.block_ids.numel() * k_cache.shape[1]
             k = gather_dequant(k_cache, k_scale, s.block_ids, "prefill_k", q.dtype).view(n, hkv, d)[:s.context]
             v = gather_dequant(v_cache, v_scale, s.block_ids, "prefill_v", q.dtype).view(n, hkv, d)[:s.context]
-            k, v = k.transpose(0, 1), v.transpose(0, 1)
-            qs = q[s.start:s.end]
-            if s.mask is None:
-                o = F.scaled_dot_product_attention(qs.transpose(0, 1), k, v, is_causal=True, scale=scale,
-                                                   enable_gqa=True)
-                out[s.start:s.end] = o.transpose(0, 1)
-                continue
-            folded = qs.view(q_len, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * q_len, d)
-            o = F.scaled_dot_product_attention(folded, k, v, attn_mask=s.mask, scale=scale)
-            out[s.start:s.end] = o.view(hkv, g, q_len, d).permute(2, 0, 1, 3).reshape(q_len, h, d)
+            k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # [1, Hkv, context, D]
+            qs = q[s.start:s.end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
+            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=s.mask, is_causal=s.mask is None, scale=scale,
+                                               enable_gqa=True)
+            out[s.start:s.end] = o[0].transpose(0, 1)
         return out
 
 
@@ -76,7 +74,7 @@ def prefill_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     # k_scale / v_scale [num_blocks, block_size, Hkv]: the scales of int8 caches (kv_int8.py), None for float caches.
     # Per sequence (few per step): gather its cached K/V, SDPA with a causal-with-offset mask; a plan made for
     # this one call (the engine keeps one per step)
-    plan = PrefillPlan.of(cu_seqlens_q, context_lens, block_tables, k_cache.shape[1], q.shape[1] // k_cache.shape[2])
+    plan = PrefillPlan.of(cu_seqlens_q, context_lens, block_tables, k_cache.shape[1])
     return plan.attend(q, k_cache, v_cache, scale, k_scale, v_scale)
 
 

@@ -104,10 +104,10 @@ class AttentionMetadata:
             self._decode_tables = cpu_decode_attention.DecodeTables(self.decode_block_tables, self.decode_context_lens)
         return self._decode_tables
 
-    def prefill_plan(self, block_size: int, group: int) -> PrefillPlan:
+    def prefill_plan(self, block_size: int) -> PrefillPlan:
         if self._prefill_plan is None:
             self._prefill_plan = PrefillPlan.of(self.prefill_cu_seqlens_q, self.prefill_context_lens,
-                                                self.prefill_block_tables, block_size, group)
+                                                self.prefill_block_tables, block_size)
         return self._prefill_plan
 
     def store_slots(self) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -159,7 +159,7 @@ class PagedAttention:
                 parts.append(self.decode(q[:nd], k_cache, v_cache, meta.decode_block_tables,
                                          meta.decode_context_lens, self.scale, self.k_scale, self.v_scale))
         if nd < q.shape[0] and self.torch_backend:
-            plan = meta.prefill_plan(k_cache.shape[1], q.shape[1] // k_cache.shape[2])
+            plan = meta.prefill_plan(k_cache.shape[1])
             parts.append(plan.attend(q[nd:], k_cache, v_cache, self.scale, self.k_scale, self.v_scale))
         elif nd < q.shape[0]:
             parts.append(self.prefill(q[nd:], k_cache, v_cache, meta.prefill_cu_seqlens_q,

@@ -60,7 +60,7 @@ def test_a_step_plan_for_its_chunks_matches_naive_attention_in_every_layer(chunk
     cache = make_paged_cache(lens, BLOCK, HKV, D, seed=seed)
     cu = torch.tensor([0] + [sum(n for n, _ in chunks[:i + 1]) for i in range(len(chunks))], dtype=torch.int32)
     q = torch.randn(int(cu[-1]), heads, D, generator=torch.Generator().manual_seed(seed))
-    plan = PrefillPlan.of(cu, cache.context_lens, cache.block_tables, BLOCK, heads // HKV)
+    plan = PrefillPlan.of(cu, cache.context_lens, cache.block_tables, BLOCK)
     for _ in range(2):  # every layer of a step reuses the plan
         got = plan.attend(q, cache.k_cache, cache.v_cache, 0.25)
         for s, (n, cached) in enumerate(chunks):
