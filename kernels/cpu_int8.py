@@ -28,6 +28,9 @@ Which build runs (`default_isa()`): the VNNI one where the CPU has avx512f, avx5
 else the AVX-512 one where it has the first two, else the AVX2 one; DECODELAB_CPU_ISA=avx2 forces the AVX2 build on
 any CPU (int8_linear's DECODELAB_INT8_KERNEL=avx512 or =avx512vnni insists on one of the others). Each packs its
 weights for its own blocks (`pack`'s `row_bytes`), so a `Matrix` belongs to one build.
+The AVX-512 builds also carry a many-rows matmul over the same packed weights (`cpu_int8_rows.h`, `Matrix.rows`:
+16 rows to a register, ~1.2-1.7x faster from 64 rows on; the engine runs a step's prompt rows through it,
+engine_service/engine/models/int8_linear.py `Int8Weight`); DECODELAB_INT8_ROWS=0 turns it off.
 "avx512-simde" and "avx512vnni-simde" are the AVX-512 sources compiled against SIMDe's portable intrinsics (Debian's
 libsimde-dev): how the tests check those builds' logic on a CPU without the instructions (16-40x slower than the
 AVX2 build on Zen 3; never chosen by `default_isa()`).
@@ -52,6 +55,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     i64, p = ctypes.c_int64, ctypes.c_void_p
     lib.dl_int8_linear.argtypes = [p, i64, i64, i64, p, p, p, p, p, i64, ctypes.c_int]
     lib.dl_int8_linear.restype = ctypes.c_int
+    if hasattr(lib, "dl_int8_rows"):  # the AVX-512 builds' many-rows matmul (cpu_int8_rows.h)
+        lib.dl_int8_rows.argtypes = lib.dl_int8_linear.argtypes
+        lib.dl_int8_rows.restype = ctypes.c_int
 
 
 KERNELS = {
@@ -205,6 +211,12 @@ def fp16_exact(t: torch.Tensor) -> bool:
     return bool(h.isfinite().all() and ((h - t).abs() <= t.abs() * 2.0**-16).all())
 
 
+def rows_enabled() -> bool:
+    """Whether `Matrix.rows` may run the many-rows matmul (the AVX-512 builds' `dl_int8_rows`);
+    DECODELAB_INT8_ROWS=0 keeps every row on `dl_int8_linear`."""
+    return os.environ.get("DECODELAB_INT8_ROWS", "1") != "0"
+
+
 def nibbles_enabled() -> bool:
     """DECODELAB_INT8_NIBBLES=0 keeps every weight in 8-bit codes (the fallback, and an A/B switch)."""
     return os.environ.get("DECODELAB_INT8_NIBBLES", "1") != "0"
@@ -244,17 +256,28 @@ class Matrix:
         self.n, self.k = w.n, w.k
         self._ptrs = (self.packed.data_ptr(), self.steps.data_ptr(), self.offsets.data_ptr(),
                       None if bias is None else self.bias.data_ptr(), self.fmt)
+        # the many-rows matmul (cpu_int8_rows.h), where this build has one and DECODELAB_INT8_ROWS allows it
+        self.has_rows = rows_enabled() and hasattr(self.kernel.lib, "dl_int8_rows")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] fp32 on the CPU -> [M, N] fp32."""
+        return self._run(self.kernel.lib.dl_int8_linear, x)
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The same product through the many-rows matmul (`has_rows`; else as `m(x)`): 16 rows' work for every
+        16 or fewer, ~1.3-1.7x faster than `m(x)` from 64 rows on (AMD Zen 5, docs/kernels.md); each row's bits
+        independent of the others, though not `m(x)`'s."""
+        return self._run(self.kernel.lib.dl_int8_rows if self.has_rows else self.kernel.lib.dl_int8_linear, x)
+
+    def _run(self, fn, x: torch.Tensor) -> torch.Tensor:
         assert x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and x.shape[-1] == self.k
         if x.stride(1) != 1 or x.stride(0) < self.k:
             x = x.contiguous()
         out = torch.empty(x.shape[0], self.n)
         if x.shape[0]:
             packed, steps, offsets, bias, fmt = self._ptrs
-            if self.kernel.lib.dl_int8_linear(x.data_ptr(), x.stride(0), x.shape[0], self.k, packed, steps, offsets,
-                                              bias, out.data_ptr(), self.n, fmt):
+            if fn(x.data_ptr(), x.stride(0), x.shape[0], self.k, packed, steps, offsets, bias, out.data_ptr(), self.n,
+                  fmt):
                 raise MemoryError("cpu_int8: no memory for the int16 copy of the activations")
         return out
 

@@ -80,3 +80,6 @@ BLOCK block(const int R, const int16_t* x, const float* xsum, int64_t Kp, int64_
 BLOCKS_AND_GROUP(block)
 
 DL_INT8_LINEAR(group, 32767.0f, 0)
+
+/* the many-rows matmul (prompt tokens), vpmaddwd + vpaddd */
+#include "cpu_int8_rows.h"

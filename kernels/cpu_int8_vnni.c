@@ -122,3 +122,7 @@ BLOCK block(const int R, const int16_t* x, const float* xsum, int64_t Kp, int64_
 BLOCKS_AND_GROUP(block)
 
 DL_INT8_LINEAR(group, XMAX, split_rows)
+
+/* the many-rows matmul (prompt tokens), vpdpwssd */
+#define DL_ROWS_VNNI
+#include "cpu_int8_rows.h"

@@ -2,21 +2,22 @@
 
 Our kernel's builds and two of PyTorch's; `int8_kernel` picks one:
 
-- "avx512vnni" (x86 CPUs with AVX512-VNNI and a C compiler: the CPU default there), "avx512" (AVX-512 F + BW
-  without VNNI: the default there; DECODELAB_INT8_KERNEL=avx512vnni or =avx512 insists on one) and "avx2" (x86 CPUs
-  with AVX2: the default elsewhere, and DECODELAB_CPU_ISA=avx2 or DECODELAB_INT8_KERNEL=avx2 on any): the three
-  builds of our own kernel (kernels/cpu_int8_vnni.c, cpu_int8_avx512.c and cpu_int8.c, the same weight format and
-  the same integer products, built on first use) for every matmul and the LM head, prompt
-  and generated rows alike. Weights are 8-bit codes in groups of 32 along K, each group with its own fp32 step and
-  offset (kernels/cpu_int8.py `GroupedInt8`, `quantize`: a group's 256 levels span its own [min, max]; a weight whose
-  codes are all on a 16-level grid, as a Q4_1 GGUF's are, is held as 4-bit codes: `Matrix.nibbles`); activations are
-  quantized per row to int16 inside the call; products and a group's sums are integers (vpmaddwd), nothing is
-  calibrated, and each row's result is independent of the others of its step. Measured on SmolLM2-135M
-  (docs/kernels.md, `decodelab bench quality`): the fbgemm mix below, the default before, moved continuation
-  log-likelihoods by up to 0.80 nats and perplexity by up to +3.0% (its 8-bit prompt activations and per-row
-  weight scales both cost); this kernel 0.022 nats and at most +0.09%. The price is prefill speed: the q/k/v and
-  gate/up matmuls of prompt rows ran ~1.5x faster through fbgemm, and the fp32 step per group costs ~1.3x at 64
-  rows against per-row scales.
+- "avx512vnni" (x86 CPUs with AVX512-VNNI and a C compiler: the CPU default there), "avx512" (AVX-512 F + BW without
+  VNNI: the default there; DECODELAB_INT8_KERNEL=avx512vnni or =avx512 insists on one) and "avx2" (x86 CPUs with
+  AVX2: the default elsewhere, and DECODELAB_CPU_ISA=avx2 or DECODELAB_INT8_KERNEL=avx2 on any): the three builds of
+  our own kernel (kernels/cpu_int8_vnni.c, cpu_int8_avx512.c and cpu_int8.c, the same weight format and the same
+  integer products, built on first use) for every matmul and the LM head, prompt and generated rows alike; on the
+  AVX-512 builds a step's prompt rows, from ROWS_MIN of them, go through their many-rows matmul
+  (kernels/cpu_int8_rows.h: the same integers, rows in a register's lanes; `Int8Weight`). Weights are 8-bit codes in
+  groups of 32 along K, each group with its own fp32 step and offset (kernels/cpu_int8.py `GroupedInt8`, `quantize`:
+  a group's 256 levels span its own [min, max]; a weight whose codes are all on a 16-level grid, as a Q4_1 GGUF's
+  are, is held as 4-bit codes: `Matrix.nibbles`); activations are quantized per row to int16 inside the call;
+  products and a group's sums are integers (vpmaddwd), nothing is calibrated, and each row's result is independent
+  of the others of its step. Measured on SmolLM2-135M (docs/kernels.md, `decodelab bench quality`): the fbgemm mix
+  below, the default before, moved continuation log-likelihoods by up to 0.80 nats and perplexity by up to +3.0%
+  (its 8-bit prompt activations and per-row weight scales both cost); this kernel 0.022 nats and at most +0.09%. The
+  price is prefill speed: the q/k/v and gate/up matmuls of prompt rows ran ~1.5x faster through fbgemm, and the fp32
+  step per group costs ~1.3x at 64 rows against per-row scales.
 - "fbgemm" (x86 CPUs with AVX2 or better where our kernel does not build, or DECODELAB_INT8_KERNEL=fbgemm; with a C
   compiler it runs only prompt tokens' q/k/v and gate/up, and the avx2 kernel the rest: `projection_kernels`,
   `RowSplitWeight`): weights (per-row scales) and activations in int8 through PyTorch's quantized engine (fbgemm).
@@ -64,6 +65,7 @@ from kernels._cbuild import generic_cpu
 KERNELS = ("avx512vnni", "avx512", "avx2", "fbgemm", "dequant")
 OURS = ("avx512vnni", "avx512", "avx2")  # the builds of kernels/cpu_int8 (cpu_int8.KERNELS' names)
 QMAX = {"avx512": 127, "avx2": 127, "fbgemm": 63, "dequant": 127}
+ROWS_MIN = 64  # prompt rows from which the many-rows matmul runs them (`Int8Weight`): it wins from ~48 (Zen 5)
 
 # Seen once at load to find each matmul's activation ranges (SmoothQuant calibration): prose, code, numbers.
 CALIBRATION_TEXT = (
@@ -190,14 +192,15 @@ def projection_kernels(kernel: str) -> dict[str, str]:
     return {"qkv": "fbgemm", "o": "fbgemm", "gate_up": "fbgemm", "down": "fp16", "head": "fp16"}
 
 
-def quantized(weight: torch.Tensor, bias: torch.Tensor | None,
-              kernel: str) -> "HeadWeight | Int8Weight | RowSplitWeight":
-    """`weight` (and `bias`) as `kernel` multiplies by it: a projection_kernels value."""
+def quantized(weight: torch.Tensor, bias: torch.Tensor | None, kernel: str,
+              prompt_rows: bool = False) -> "HeadWeight | Int8Weight | RowSplitWeight":
+    """`weight` (and `bias`) as `kernel` multiplies by it: a projection_kernels value. `prompt_rows`: a decoder
+    matmul, whose prompt tokens' rows may take our kernel's many-rows matmul (`Int8Weight`)."""
     if kernel == "fp16":
         return HeadWeight(weight, bias)
     if kernel.endswith("|fbgemm"):
         return RowSplitWeight(weight, bias)
-    return Int8Weight(weight, bias, kernel)
+    return Int8Weight(weight, bias, kernel, prompt_rows)
 
 
 class RowSplitWeight:
@@ -227,14 +230,24 @@ class RowSplitWeight:
 
 
 class Int8Weight:
-    """One [out, in] weight in int8 and how to multiply by it: `w(x)` ~= F.linear(x, weight, bias)."""
+    """One [out, in] weight in int8 and how to multiply by it: `w(x)` ~= F.linear(x, weight, bias).
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str):
+    With `prompt_rows` (the decoder's matmuls) on an AVX-512 build of our kernel, a forward pass's prompt tokens
+    (the rows after its `generated_rows`) go through the build's many-rows matmul (`cpu_int8.Matrix.rows`, 16 rows
+    to a register) where there are at least ROWS_MIN of them, and every other row through the decode one: the
+    many-rows one does 16 rows' work for 16 or fewer and wins from ~48 rows (~1.2x at 64, ~1.6x at 512 on an AMD
+    Zen 5, docs/kernels.md). Generated tokens (decoding, speculative verification, beams) always take the decode
+    one, whose rows are batch-invariant; a prompt's rows are not quite: a chunk of fewer than ROWS_MIN tokens (a
+    prefix-cache tail, a short prompt) sums them in another order than a long chunk would, as the fp32 path's
+    oneDNN blocking also differs by row count. DECODELAB_INT8_ROWS=0 runs every row through the decode one."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str, prompt_rows: bool = False):
         assert kernel in KERNELS, kernel
         self.kernel = kernel
         self.out_features = weight.shape[0]
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.packed = self.matrix = self.grouped = None
+        self.prompt_rows = False
         self.group_bytes = 0  # beyond one int8 a weight and its scales (`scale`: per row, or per group)
         if kernel == "fbgemm":  # fbgemm keeps its own packed copy of q
             q, self.scale = quantize_weight(weight, QMAX[kernel])
@@ -246,10 +259,19 @@ class Int8Weight:
             self.matrix = cpu_int8.Matrix(grouped, self.bias, kernel)  # holds the packed copy only
         else:
             self.grouped = grouped
+        self.prompt_rows = prompt_rows and self.matrix is not None and self.matrix.has_rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.matrix is not None:
-            return self.matrix(x) if x.dtype == torch.float32 else self.matrix(x.float()).to(x.dtype)
+            x32 = x.float()
+            n = generated_rows.get() if self.prompt_rows else x.shape[0]
+            if x.shape[0] - n < ROWS_MIN:
+                out = self.matrix(x32)
+            elif n == 0:
+                out = self.matrix.rows(x32)
+            else:
+                out = torch.cat([self.matrix(x32[:n]), self.matrix.rows(x32[n:])])
+            return out if x.dtype == torch.float32 else out.to(x.dtype)
         if self.kernel == "dequant":  # the weight in x's dtype each call: a memory saving, not a speed-up
             w = self.grouped.dequantize().to(x.dtype)
             return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
