@@ -28,9 +28,10 @@ Which build runs (`default_isa()`): the VNNI one where the CPU has avx512f, avx5
 else the AVX-512 one where it has the first two, else the AVX2 one; DECODELAB_CPU_ISA=avx2 forces the AVX2 build on
 any CPU (int8_linear's DECODELAB_INT8_KERNEL=avx512 or =avx512vnni insists on one of the others). Each packs its
 weights for its own blocks (`pack`'s `row_bytes`), so a `Matrix` belongs to one build.
-The AVX-512 builds also carry a many-rows matmul over the same packed weights (`cpu_int8_rows.h`, `Matrix.rows`:
-16 rows to a register, ~1.2-1.7x faster from 64 rows on; the engine runs a step's prompt rows through it,
-engine_service/engine/models/int8_linear.py `Int8Weight`); DECODELAB_INT8_ROWS=0 turns it off.
+Each build also carries a many-rows matmul over the same packed weights (`cpu_int8_rows.h`, `Matrix.rows`: rows in a
+register's lanes, 16 or 8; from 64 rows on ~1.4-1.8x faster on AVX-512, ~1.1-1.2x on AVX2; the engine runs a step's
+prompt rows through it, engine_service/engine/models/int8_linear.py `Int8Weight`); DECODELAB_INT8_ROWS=0 turns it
+off.
 "avx512-simde" and "avx512vnni-simde" are the AVX-512 sources compiled against SIMDe's portable intrinsics (Debian's
 libsimde-dev): how the tests check those builds' logic on a CPU without the instructions (16-40x slower than the
 AVX2 build on Zen 3; never chosen by `default_isa()`).
@@ -256,7 +257,7 @@ class Matrix:
         self.n, self.k = w.n, w.k
         self._ptrs = (self.packed.data_ptr(), self.steps.data_ptr(), self.offsets.data_ptr(),
                       None if bias is None else self.bias.data_ptr(), self.fmt)
-        # the many-rows matmul (cpu_int8_rows.h), where this build has one and DECODELAB_INT8_ROWS allows it
+        # the many-rows matmul (cpu_int8_rows.h), where the build has one (all do) and DECODELAB_INT8_ROWS allows it
         self.has_rows = rows_enabled() and hasattr(self.kernel.lib, "dl_int8_rows")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -264,9 +265,10 @@ class Matrix:
         return self._run(self.kernel.lib.dl_int8_linear, x)
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
-        """The same product through the many-rows matmul (`has_rows`; else as `m(x)`): 16 rows' work for every
-        16 or fewer, ~1.3-1.7x faster than `m(x)` from 64 rows on (AMD Zen 5, docs/kernels.md); each row's bits
-        independent of the others, though not `m(x)`'s."""
+        """The same product through the many-rows matmul (`has_rows`; else as `m(x)`): a register's rows' work
+        (16, AVX2 8) for every panel, full or not; from 64 rows on ~1.4-1.8x faster than `m(x)` on the AVX-512
+        builds, ~1.1-1.2x on the AVX2 one (AMD Zen 5, docs/kernels.md); each row's bits independent of the
+        others, though not `m(x)`'s."""
         return self._run(self.kernel.lib.dl_int8_rows if self.has_rows else self.kernel.lib.dl_int8_linear, x)
 
     def _run(self, fn, x: torch.Tensor) -> torch.Tensor:

@@ -81,5 +81,6 @@ BLOCKS_AND_GROUP(block)
 
 DL_INT8_LINEAR(group, 32767.0f, 0)
 
-/* the many-rows matmul (prompt tokens), vpmaddwd + vpaddd */
+/* the many-rows matmul (prompt tokens): 16 rows a zmm, vpmaddwd + vpaddd */
+#define DL_ROWS_512
 #include "cpu_int8_rows.h"

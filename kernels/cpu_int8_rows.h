@@ -1,21 +1,22 @@
-/* The AVX-512 builds' second matmul, for many rows at once (a prompt's): `dl_int8_rows`, the arguments and the
+/* Our int8 kernel's second matmul, for many rows at once (a prompt's): `dl_int8_rows`, the arguments and the
    weights of `dl_int8_linear` (cpu_int8.h: the same packed codes, steps and offsets, 8-bit or 4-bit; int16
-   activations on the 32767 grid, as the AVX-512 build's; exact integer group sums), laid out the other way round.
+   activations on the 32767 grid; exact integer group sums), laid out the other way round. Each build includes it
+   (cpu_int8.c, cpu_int8_avx512.c, cpu_int8_vnni.c).
 
    The blocks of `dl_int8_linear` hold one (row, output) pair's products of a group in the lanes of a register, so
-   every group of every pair ends with a conversion, an FMA and (at the end) a lane sum: about 4 instructions per 32
-   products, whichever row count. Here a register's 16 lanes are 16 rows: each row's codes are transposed into
-   dwords of two neighbouring k (`panels`), a weight's two codes at the same k are broadcast as one dword, and one
-   vpdpwssd (AVX512-VNNI; vpmaddwd and vpaddd without it) adds 16 rows x 2 products into 16 int32 sums, for as
-   many k as a group has: 16 instructions per group, 16 rows and output, then one conversion and one FMA by the
-   group's step. A block is 32 rows x 8 outputs (16 int32 accumulators), its weights widened to int16 once per
-   call into a thread's buffer (L1-sized for K up to ~1500). Measured on an AMD Zen 5 (docs/kernels.md).
+   every group of every pair ends with a conversion, an FMA and (at the end) a lane sum: about 4-5 instructions per
+   32 products, whichever row count. Here a register's lanes are rows (16 in a zmm, 8 in the AVX2 build's ymm):
+   each row's codes are transposed into dwords of two neighbouring k (`panels`), a weight's two codes at the same k
+   are broadcast as one dword, and one vpdpwssd (AVX512-VNNI; vpmaddwd and vpaddd elsewhere) adds LANES rows x 2
+   products into LANES int32 sums, for as many k as a group has: 16 of them per group, LANES rows and output, then
+   one conversion and one FMA by the group's step. A block is 2 x LANES rows x ROWS_OUT outputs (16 or 8 int32
+   accumulators), its weights widened to int16 once per call into a thread's buffer (L1-sized for K up to ~1500).
+   Measured on an AMD Zen 5 (docs/kernels.md).
 
    Each row goes through the same operations in its lane whatever its block or batch, so a row gives the same bits
    alone or with others (not `dl_int8_linear`'s bits: that sums the same integers in another order). Its cost is
-   16 rows' work for a block with fewer (padding lanes), hence many rows only: kernels/cpu_int8.py `Matrix.rows`,
-   used for prompt tokens (engine_service/engine/models/int8_linear.py). A source defines DL_ROWS_VNNI before
-   including it to use vpdpwssd. */
+   LANES rows' work for a panel with fewer (padding lanes), hence many rows only: kernels/cpu_int8.py
+   `Matrix.rows`, used for prompt tokens (engine_service/engine/models/int8_linear.py). */
 #pragma once
 #include <immintrin.h>
 #include <stdint.h>
@@ -23,8 +24,24 @@
 #include <string.h>
 #include "cpu_int8.h"
 
-/* DOT2 adds x . w (16 lanes of two int16 products each) into acc. In place, in assembly: through the intrinsics
-   GCC 12 adds into a copy of each accumulator and moves it back, or spills them. */
+/* The register: 16 lanes (zmm) in the AVX-512 builds, which define DL_ROWS_512 before including this, 8 (ymm) in the
+   AVX2 one (cpu_int8.c); ROWS_OUT outputs a block (two packed groups of 4, or one). DOT2 adds x . w (each lane's two
+   int16 products) into acc, in place, in assembly: through the intrinsics GCC 12 adds into a copy of each
+   accumulator and moves it back, or spills them. */
+#ifdef DL_ROWS_512
+#define LANES 16
+#define ROWS_OUT 8
+typedef __m512i vint;
+typedef __m512 vflt;
+#define VLOADI(p) _mm512_loadu_si512((const void*)(p))
+#define VSET1I(v) _mm512_set1_epi32(v)
+#define VZEROI() _mm512_setzero_si512()
+#define VZEROF() _mm512_setzero_ps()
+#define VLOADF(p) _mm512_loadu_ps(p)
+#define VSTOREF(p, v) _mm512_storeu_ps(p, v)
+#define VSET1F(v) _mm512_set1_ps(v)
+#define VFMADD(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VCVT(v) _mm512_cvtepi32_ps(v)
 #if defined(DL_SIMDE) && defined(DL_ROWS_VNNI)
 #define DOT2(acc, x, w) (acc = _mm512_dpwssd_epi32(acc, x, w))
 #elif defined(DL_SIMDE)
@@ -35,40 +52,60 @@
 #define DOT2(acc, x, w) do { __m512i t_; \
     __asm__("vpmaddwd %3, %2, %1\n\tvpaddd %1, %0, %0" : "+v"(acc), "=&v"(t_) : "v"(x), "v"(w)); } while (0)
 #endif
-#define ROWS_OUT 8  /* outputs a block: two packed groups of 4 */
+/* output r of a packed group, weight group j: its two 16-byte pieces (pack(u, 32): 32 bytes in one piece) */
+#define PIECE(j, r, h) ((j) * 128 + (r) * 32 + (h) * 16)
+#else
+#define LANES 8
+#define ROWS_OUT 4
+typedef __m256i vint;
+typedef __m256 vflt;
+#define VLOADI(p) _mm256_loadu_si256((const __m256i*)(p))
+#define VSET1I(v) _mm256_set1_epi32(v)
+#define VZEROI() _mm256_setzero_si256()
+#define VZEROF() _mm256_setzero_ps()
+#define VLOADF(p) _mm256_loadu_ps(p)
+#define VSTOREF(p, v) _mm256_storeu_ps(p, v)
+#define VSET1F(v) _mm256_set1_ps(v)
+#define VFMADD(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VCVT(v) _mm256_cvtepi32_ps(v)
+#define DOT2(acc, x, w) do { __m256i t_; \
+    __asm__("vpmaddwd %3, %2, %1\n\tvpaddd %1, %0, %0" : "+x"(acc), "=&x"(t_) : "x"(x), "x"(w)); } while (0)
+/* pack(u, 16): the group's two 16-wide k-steps 64 bytes apart, 16 bytes a row each */
+#define PIECE(j, r, h) ((j) * 128 + (h) * 64 + (r) * 16)
+#endif
 
-/* x's M rows quantized (cpu_int8.h `quantize_rows`: steps xs, group sums xsum) and laid out as panels of 16 rows:
-   panel b, dword p, lane l = row 16 b + l's int16 codes at k = 2p and 2p + 1 (zeros past M); the group sums
+/* x's M rows quantized (cpu_int8.h `quantize_rows`: steps xs, group sums xsum) and laid out as panels of LANES
+   rows: panel b, dword p, lane l = row LANES b + l's int16 codes at k = 2p and 2p + 1 (zeros past M); the group sums
    likewise, panel b, group j, lane l. Returns 0, or -1 without memory. */
 static int panels(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t Kp, int64_t Gp, float* xs, float* xsum,
                   int32_t* xp, float* sp) {
-    int64_t P = Kp / 2, B = (M + 15) / 16;
+    int64_t P = Kp / 2, B = (M + LANES - 1) / LANES;
     int failed = 0;
     #pragma omp parallel reduction(|: failed)
     {
-        int16_t* xq = aligned_alloc(64, (size_t)16 * Kp * sizeof(int16_t));
+        int16_t* xq = aligned_alloc(64, (size_t)LANES * Kp * sizeof(int16_t));
         if (!xq) failed = 1;
         #pragma omp for schedule(static)
         for (int64_t b = 0; b < B; b++) {
             if (!xq) continue;
-            int64_t i0 = b * 16, n = M - i0 < 16 ? M - i0 : 16;
+            int64_t i0 = b * LANES, n = M - i0 < LANES ? M - i0 : LANES;
             quantize_rows(x + i0 * ldx, ldx, n, K, Kp, Gp, xq, xs + i0, xsum + i0 * Gp, 32767.0f);
             const int32_t* rows = (const int32_t*)xq;
-            int32_t* o = xp + b * P * 16;
+            int32_t* o = xp + b * P * LANES;
             for (int64_t p = 0; p < P; p++)
-                for (int64_t l = 0; l < 16; l++) o[p * 16 + l] = l < n ? rows[l * P + p] : 0;
-            float* so = sp + b * Gp * 16;
+                for (int64_t l = 0; l < LANES; l++) o[p * LANES + l] = l < n ? rows[l * P + p] : 0;
+            float* so = sp + b * Gp * LANES;
             for (int64_t j = 0; j < Gp; j++)
-                for (int64_t l = 0; l < 16; l++) so[j * 16 + l] = l < n ? xsum[(i0 + l) * Gp + j] : 0.0f;
+                for (int64_t l = 0; l < LANES; l++) so[j * LANES + l] = l < n ? xsum[(i0 + l) * Gp + j] : 0.0f;
         }
         free(xq);
     }
     return failed ? -1 : 0;
 }
 
-/* outputs n0..n0 + 7 (nb of them real) widened to int16, as dwords wb[p][o] = output o's codes at k = 2p and 2p + 1,
-   and their steps db[o][j] and offsets mb[o][j] as fp32 (zeros past nb), from the packed layout (cpu_int8.h
-   `int8_linear`: pack(u, 32) or pack4) */
+/* outputs n0 on (ROWS_OUT, nb of them real) widened to int16, as dwords wb[p][o] = output o's codes at k = 2p and
+   2p + 1, and their steps db[o][j] and offsets mb[o][j] as fp32 (zeros past nb), from the build's packed layout
+   (cpu_int8.h `int8_linear`: pack(u, 16 or 32), or pack4) */
 static void widen(const uint8_t* wp, const char* dp, const char* mp, int64_t n0, int64_t nb, int64_t Kp,
                   int64_t Gp, int fmt, int32_t* wb, float* db, float* mb) {
     const int nib = fmt & FMT_NIBBLES, half = (fmt & FMT_HALF) != 0;
@@ -88,8 +125,9 @@ static void widen(const uint8_t* wp, const char* dp, const char* mp, int64_t n0,
                 _mm256_storeu_si256((__m256i*)w, _mm256_and_si256(v, _mm256_set1_epi16(0x0F)));
                 _mm256_storeu_si256((__m256i*)(w + 8), _mm256_srli_epi16(v, 4));
             } else {
-                _mm512_storeu_si512((void*)w, _mm512_cvtepu8_epi16(_mm256_loadu_si256(
-                                                   (const __m256i*)(g + j * 128 + r * 32))));
+                for (int h = 0; h < 2; h++)
+                    _mm256_storeu_si256((__m256i*)(w + 8 * h),
+                                        _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(g + PIECE(j, r, h)))));
             }
             for (int q = 0; q < 16; q++) wb[(j * 16 + q) * ROWS_OUT + o] = w[q];
             const char* e = d + (j * 4 + r) * esz;
@@ -104,60 +142,60 @@ static void widen(const uint8_t* wp, const char* dp, const char* mp, int64_t n0,
 
 #define ROWS_BLOCK static inline __attribute__((always_inline)) void
 
-/* R panels (16 rows each, P dwords apart) times the 8 widened outputs: f[r][o] = sum over groups of step * the
+/* R panels (LANES rows each, P dwords apart) times the ROWS_OUT widened outputs: f[r][o] = sum over groups of step * the
    group's integer sum, then plus the offsets' term, one FMA each in group order */
 ROWS_BLOCK rows_block(const int R, const int32_t* xp, const float* sp, int64_t Kp, int64_t Gp, const int32_t* wb,
-                      const float* db, const float* mb, __m512 f[2][ROWS_OUT]) {
+                      const float* db, const float* mb, vflt f[2][ROWS_OUT]) {
     const int64_t P = Kp / 2, G = Kp / 32;
     for (int r = 0; r < R; r++)
-        for (int o = 0; o < ROWS_OUT; o++) f[r][o] = _mm512_setzero_ps();
+        for (int o = 0; o < ROWS_OUT; o++) f[r][o] = VZEROF();
     for (int64_t j = 0; j < G; j++) {
-        __m512i a[2][ROWS_OUT];
+        vint a[2][ROWS_OUT];
         for (int r = 0; r < R; r++)
-            for (int o = 0; o < ROWS_OUT; o++) a[r][o] = _mm512_setzero_si512();
-        const int32_t* xj = xp + j * 256;
+            for (int o = 0; o < ROWS_OUT; o++) a[r][o] = VZEROI();
+        const int32_t* xj = xp + j * 16 * LANES;
         const int32_t* wj = wb + j * 16 * ROWS_OUT;
 #ifndef DL_SIMDE  /* (SIMDe's emulated 512-bit operations unrolled took GCC minutes to compile) */
         #pragma GCC unroll 16
 #endif
         for (int q = 0; q < 16; q++) {
-            __m512i x[2];
-            for (int r = 0; r < R; r++) x[r] = _mm512_loadu_si512((const void*)(xj + r * P * 16 + q * 16));
+            vint x[2];
+            for (int r = 0; r < R; r++) x[r] = VLOADI(xj + r * P * LANES + q * LANES);
             for (int o = 0; o < ROWS_OUT; o++) {
-                __m512i w = _mm512_set1_epi32(wj[q * ROWS_OUT + o]);
+                vint w = VSET1I(wj[q * ROWS_OUT + o]);
                 for (int r = 0; r < R; r++) DOT2(a[r][o], x[r], w);
             }
         }
         for (int o = 0; o < ROWS_OUT; o++) {
-            __m512 d = _mm512_set1_ps(db[o * G + j]);
+            vflt d = VSET1F(db[o * G + j]);
             for (int r = 0; r < R; r++) {  /* the fp32 sums stay in memory (L1): the registers hold the int32 ones */
                 float* fo = (float*)&f[r][o];
-                _mm512_storeu_ps(fo, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r][o]), d, _mm512_loadu_ps(fo)));
+                VSTOREF(fo, VFMADD(VCVT(a[r][o]), d, VLOADF(fo)));
             }
         }
     }
     for (int64_t j = 0; j < Gp; j++)
         for (int r = 0; r < R; r++) {
-            __m512 s = _mm512_loadu_ps(sp + r * Gp * 16 + j * 16);
-            for (int o = 0; o < ROWS_OUT; o++) f[r][o] = _mm512_fmadd_ps(s, _mm512_set1_ps(mb[o * Gp + j]), f[r][o]);
+            vflt s = VLOADF(sp + r * Gp * LANES + j * LANES);
+            for (int o = 0; o < ROWS_OUT; o++) f[r][o] = VFMADD(s, VSET1F(mb[o * Gp + j]), f[r][o]);
         }
 }
 static void rows_block1(const int32_t* xp, const float* sp, int64_t Kp, int64_t Gp, const int32_t* wb,
-                        const float* db, const float* mb, __m512 f[2][ROWS_OUT]) {
+                        const float* db, const float* mb, vflt f[2][ROWS_OUT]) {
     rows_block(1, xp, sp, Kp, Gp, wb, db, mb, f);
 }
 static void rows_block2(const int32_t* xp, const float* sp, int64_t Kp, int64_t Gp, const int32_t* wb,
-                        const float* db, const float* mb, __m512 f[2][ROWS_OUT]) {
+                        const float* db, const float* mb, vflt f[2][ROWS_OUT]) {
     rows_block(2, xp, sp, Kp, Gp, wb, db, mb, f);
 }
 
 /* `dl_int8_linear`'s arguments and result (0, or -1 without memory) */
 int dl_int8_rows(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* wp, const void* dp,
                  const void* mp, const float* bias, float* y, int64_t N, int fmt) {
-    int64_t Kp = (K + 31) / 32 * 32, Gp = (Kp / 32 + 7) / 8 * 8, B = (M + 15) / 16, G = Kp / 32;
+    int64_t Kp = (K + 31) / 32 * 32, Gp = (Kp / 32 + 7) / 8 * 8, B = (M + LANES - 1) / LANES, G = Kp / 32;
     float* xs = malloc((size_t)M * (1 + Gp) * sizeof(float));
-    int32_t* xp = aligned_alloc(64, (size_t)B * 16 * Kp * 2);
-    float* sp = aligned_alloc(64, (size_t)B * 16 * Gp * 4);
+    int32_t* xp = aligned_alloc(64, (size_t)(B * LANES * Kp * 2 + 63) / 64 * 64);
+    float* sp = aligned_alloc(64, (size_t)(B * LANES * Gp * 4 + 63) / 64 * 64);
     if (!xs || !xp || !sp || panels(x, ldx, M, K, Kp, Gp, xs, xs + M, xp, sp)) {
         free(xs); free(xp); free(sp);
         return -1;
@@ -177,13 +215,13 @@ int dl_int8_rows(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_
             widen(wp, (const char*)dp, (const char*)mp, n0, nb, Kp, Gp, fmt, wb, db, mb);
             for (int64_t b = 0; b < B; b += 2) {
                 int R = B - b >= 2 ? 2 : 1;
-                __m512 f[2][ROWS_OUT];
-                (R == 2 ? rows_block2 : rows_block1)(xp + b * 16 * (Kp / 2), sp + b * 16 * Gp, Kp, Gp, wb, db, mb, f);
+                vflt f[2][ROWS_OUT];
+                (R == 2 ? rows_block2 : rows_block1)(xp + b * LANES * (Kp / 2), sp + b * LANES * Gp, Kp, Gp, wb, db, mb, f);
                 for (int r = 0; r < R; r++) {
-                    float lanes[ROWS_OUT][16];
-                    for (int o = 0; o < ROWS_OUT; o++) _mm512_storeu_ps(lanes[o], f[r][o]);
-                    for (int64_t l = 0; l < 16; l++) {
-                        int64_t i = (b + r) * 16 + l;
+                    float lanes[ROWS_OUT][LANES];
+                    for (int o = 0; o < ROWS_OUT; o++) VSTOREF(lanes[o], f[r][o]);
+                    for (int64_t l = 0; l < LANES; l++) {
+                        int64_t i = (b + r) * LANES + l;
                         if (i >= M) break;
                         for (int64_t o = 0; o < nb; o++) {
                             float v = lanes[o][l] * xs[i];

@@ -123,6 +123,7 @@ BLOCKS_AND_GROUP(block)
 
 DL_INT8_LINEAR(group, XMAX, split_rows)
 
-/* the many-rows matmul (prompt tokens), vpdpwssd */
+/* the many-rows matmul (prompt tokens): 16 rows a zmm, vpdpwssd */
+#define DL_ROWS_512
 #define DL_ROWS_VNNI
 #include "cpu_int8_rows.h"

@@ -1,10 +1,10 @@
-"""kernels/cpu_int8_rows.h, the AVX-512 builds' many-rows matmul (`cpu_int8.Matrix.rows`): against the exact
+"""kernels/cpu_int8_rows.h, our int8 kernel's many-rows matmul (`cpu_int8.Matrix.rows`): against the exact
 reference of the same integers (test_cpu_int8.py `exact`) in every weight format (8-bit and 4-bit codes, fp32 and
-fp16 steps), row counts on and off its 16-row panels and 32-row blocks, outputs off its 8-wide slabs, a row alone
+fp16 steps), row counts on and off its panels (16 or 8 rows) and blocks, outputs off its slabs, a row alone
 against its batch bit for bit, NaN / inf rows; and the engine's choice of it (`Int8Weight`).
 
-Each test runs on every build with it that runs here: "avx512vnni" (vpdpwssd) and "avx512" (vpmaddwd + vpaddd) where
-the CPU has them (the skip names what it lacks), and their SIMDe twins on every x86 CPU."""
+Each test runs on every build that runs here: "avx512vnni" (zmm, vpdpwssd) and "avx512" (zmm, vpmaddwd + vpaddd)
+where the CPU has them (the skip names what it lacks), their SIMDe twins on every x86 CPU, and "avx2" (ymm)."""
 import pytest
 import torch
 from hypothesis import example, given, settings
@@ -18,7 +18,7 @@ from tests.kernels.test_cpu_int8 import as_multiplied, exact, gguf_grid, q4_grid
 ROW_ISAS = [pytest.param(name, marks=pytest.mark.skipif(cpu_int8.unavailable(name) is not None,
                                                        reason=f"no {name} int8 kernel here: "
                                                               f"{cpu_int8.unavailable(name)}"))
-            for name in ("avx512vnni", "avx512", "avx512vnni-simde", "avx512-simde")]
+            for name in ("avx512vnni", "avx512", "avx512vnni-simde", "avx512-simde", "avx2")]
 
 
 @pytest.fixture(autouse=True)
@@ -93,17 +93,14 @@ def test_strided_rows_are_read_as_their_values(isa):
     assert torch.equal(matrix.rows(x), matrix.rows(x.contiguous()))
 
 
-def test_only_the_avx512_builds_have_rows_and_the_switch_turns_them_off(monkeypatch):
+@pytest.mark.parametrize("isa", ROW_ISAS)
+def test_every_build_has_rows_and_the_switch_turns_them_off(isa, monkeypatch):
     w = cpu_int8.quantize(torch.randn(8, 64))
-    if cpu_int8.unavailable("avx2") is None:
-        avx2 = cpu_int8.Matrix(w, isa="avx2")
-        x = torch.randn(20, 64)
-        assert not avx2.has_rows and torch.equal(avx2.rows(x), avx2(x))  # the decode matmul
-    simde = "avx512-simde"
-    if cpu_int8.unavailable(simde) is None:
-        assert cpu_int8.Matrix(w, isa=simde).has_rows
-        monkeypatch.setenv("DECODELAB_INT8_ROWS", "0")
-        assert not cpu_int8.Matrix(w, isa=simde).has_rows
+    assert cpu_int8.Matrix(w, isa=isa).has_rows
+    monkeypatch.setenv("DECODELAB_INT8_ROWS", "0")
+    off = cpu_int8.Matrix(w, isa=isa)
+    x = torch.randn(20, 64)
+    assert not off.has_rows and torch.equal(off.rows(x), off(x))  # the decode matmul
 
 
 @pytest.mark.skipif(cpu_int8.unavailable("avx512-simde") is not None, reason="no SIMDe build here")
