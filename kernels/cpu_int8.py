@@ -56,9 +56,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     i64, p = ctypes.c_int64, ctypes.c_void_p
     lib.dl_int8_linear.argtypes = [p, i64, i64, i64, p, p, p, p, p, i64, ctypes.c_int]
     lib.dl_int8_linear.restype = ctypes.c_int
-    if hasattr(lib, "dl_int8_rows"):  # the AVX-512 builds' many-rows matmul (cpu_int8_rows.h)
-        lib.dl_int8_rows.argtypes = lib.dl_int8_linear.argtypes
-        lib.dl_int8_rows.restype = ctypes.c_int
+    lib.dl_int8_rows.argtypes = lib.dl_int8_linear.argtypes  # the many-rows matmul (cpu_int8_rows.h): same arguments
+    lib.dl_int8_rows.restype = ctypes.c_int
 
 
 KERNELS = {
@@ -213,8 +212,8 @@ def fp16_exact(t: torch.Tensor) -> bool:
 
 
 def rows_enabled() -> bool:
-    """Whether `Matrix.rows` may run the many-rows matmul (the AVX-512 builds' `dl_int8_rows`);
-    DECODELAB_INT8_ROWS=0 keeps every row on `dl_int8_linear`."""
+    """Whether `Matrix.rows` may run the many-rows matmul (every build's `dl_int8_rows`); DECODELAB_INT8_ROWS=0
+    keeps every row on `dl_int8_linear`."""
     return os.environ.get("DECODELAB_INT8_ROWS", "1") != "0"
 
 
@@ -257,8 +256,7 @@ class Matrix:
         self.n, self.k = w.n, w.k
         self._ptrs = (self.packed.data_ptr(), self.steps.data_ptr(), self.offsets.data_ptr(),
                       None if bias is None else self.bias.data_ptr(), self.fmt)
-        # the many-rows matmul (cpu_int8_rows.h), where the build has one (all do) and DECODELAB_INT8_ROWS allows it
-        self.has_rows = rows_enabled() and hasattr(self.kernel.lib, "dl_int8_rows")
+        self.has_rows = rows_enabled()  # the many-rows matmul (cpu_int8_rows.h), unless DECODELAB_INT8_ROWS=0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] fp32 on the CPU -> [M, N] fp32."""

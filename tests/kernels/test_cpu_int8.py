@@ -13,10 +13,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kernels import cpu_int8
+from tests.helpers import cpu_int8_build
 
-ISAS = [pytest.param(name, marks=pytest.mark.skipif(cpu_int8.unavailable(name) is not None,
-                                                   reason=f"no {name} int8 kernel here: {cpu_int8.unavailable(name)}"))
-        for name in cpu_int8.KERNELS]
+ISAS = [cpu_int8_build(name) for name in cpu_int8.KERNELS]
 
 
 def quantized_rows(x, xmax=32767):

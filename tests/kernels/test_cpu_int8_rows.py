@@ -10,15 +10,12 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from engine_service.engine.models import int8_linear
 from engine_service.engine.models.int8_linear import ROWS_MIN, Int8Weight, generated_rows
 from kernels import cpu_int8
+from tests.helpers import cpu_int8_build
 from tests.kernels.test_cpu_int8 import as_multiplied, exact, gguf_grid, q4_grid
 
-ROW_ISAS = [pytest.param(name, marks=pytest.mark.skipif(cpu_int8.unavailable(name) is not None,
-                                                       reason=f"no {name} int8 kernel here: "
-                                                              f"{cpu_int8.unavailable(name)}"))
-            for name in ("avx512vnni", "avx512", "avx512vnni-simde", "avx512-simde", "avx2")]
+ROW_ISAS = [cpu_int8_build(name) for name in ("avx512vnni", "avx512", "avx512vnni-simde", "avx512-simde", "avx2")]
 
 
 @pytest.fixture(autouse=True)
@@ -103,12 +100,10 @@ def test_every_build_has_rows_and_the_switch_turns_them_off(isa, monkeypatch):
     assert not off.has_rows and torch.equal(off.rows(x), off(x))  # the decode matmul
 
 
-@pytest.mark.skipif(cpu_int8.unavailable("avx512-simde") is not None, reason="no SIMDe build here")
+@pytest.mark.skipif(cpu_int8.unavailable() is not None, reason=f"no int8 kernel of ours here: {cpu_int8.unavailable()}")
 def test_int8_weight_sends_prompt_rows_from_rows_min_on_to_rows_and_every_other_row_to_the_decode_matmul(
         monkeypatch):
-    isa = "avx512-simde" if cpu_int8.unavailable("avx512vnni") is not None else "avx512vnni"
-    monkeypatch.setattr(int8_linear, "OURS", int8_linear.OURS + ("avx512-simde",))
-    monkeypatch.setattr(int8_linear, "KERNELS", int8_linear.KERNELS + ("avx512-simde",))
+    isa = cpu_int8.default_isa()
     w = torch.randn(24, 64)
     decoder, head = Int8Weight(w, None, isa, prompt_rows=True), Int8Weight(w, None, isa)
     assert decoder.prompt_rows and not head.prompt_rows
