@@ -191,7 +191,7 @@ static void group(const int16_t* xq, const float* xsum, const float* xs, int64_t
     }
 }
 
-DL_INT8_LINEAR(group, 32767.0f, 0)
+DL_INT8_LINEAR(group, 32767.0f, 0, 4)
 
 /* the many-rows matmul (prompt tokens): 8 rows a ymm, vpmaddwd + vpaddd */
 #include "cpu_int8_rows.h"

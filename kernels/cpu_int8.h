@@ -85,8 +85,7 @@ static inline __m128 reduce4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 typedef void (*block_fn)(const int16_t*, const float*, int64_t, int64_t, const uint8_t*, const char*, const char*,
                          int64_t, float[4][4]);
 
-/* the rows of chunk c of `chunks`, from row i0 of M on: M split evenly into chunks of at most 4 (8 -> 4 + 4,
-   7 -> 4 + 3) */
+/* the rows of chunk c of `chunks`, from row i0 of M on: M split evenly (chunks of at most 4: 8 -> 4 + 4, 7 -> 4 + 3) */
 static inline int64_t chunk_rows(int64_t M, int64_t i0, int64_t chunks, int64_t c) {
     return (M - i0 + (chunks - c) - 1) / (chunks - c);
 }
@@ -102,7 +101,8 @@ static inline void store(float s[4][4], int64_t r, int64_t nb, const float* xs, 
 }
 
 /* every row of xq (M rows, Kp apart; steps xs, group sums xsum) times one group of 4 packed output rows g (nb <= 4
-   of them real), written to y (ldy apart by row) with the bias: each build's own blocks */
+   of them real; the VNNI build: a slab of 16, nb <= 16), written to y (ldy apart by row) with the bias: each build's
+   own blocks */
 typedef void (*group_fn)(const int16_t* xq, const float* xsum, const float* xs, int64_t M, int64_t Kp, int64_t Gp,
                          const uint8_t* g, const char* d, const char* m, int64_t ahead, const float* bias, float* y,
                          int64_t ldy, int64_t nb, int fmt);
@@ -114,11 +114,14 @@ typedef int (*prepare_fn)(int16_t* xq, int64_t M, int64_t Kp);
 /* wp: u packed, (N + 3) / 4 groups of 4 * Kp bytes (FMT_NIBBLES: 4-bit codes, 2 * Kp bytes), Kp = K rounded up to
    32, laid out as the build's blocks read them (kernels/cpu_int8.py `pack`, `pack4`); dp: the steps,
    [(N + 3) / 4][Kp / 32][4]; mp: the offsets, [(N + 3) / 4 * 4][Gp], Gp = Kp / 32 rounded up to 8 (zeros past it);
-   both fp32, or fp16 with FMT_HALF (kernels/cpu_int8.py `Matrix`). Returns 0, or -1 when the int16 copy of x could
-   not be allocated. xmax and prepare: the build's activation grid and its pass over the quantized rows. */
+   both fp32, or fp16 with FMT_HALF (kernels/cpu_int8.py `Matrix`). With width 16 (the VNNI build) the same in
+   slabs of 16 outputs: (N + 15) / 16 of 16 * Kp bytes (4-bit: 8 * Kp), steps [(N + 15) / 16][Kp / 32][16], offsets
+   [(N + 15) / 16][Gp][16] (`pack_wide`, `pack_wide_scales`). `group` gets each `width` outputs in turn, OpenMP
+   splitting them between threads. Returns 0, or -1 when the int16 copy of x could not be allocated. xmax and
+   prepare: the build's activation grid and its pass over the quantized rows. */
 static int int8_linear(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* wp, const void* dp,
                        const void* mp, const float* bias, float* y, int64_t N, int fmt, group_fn group,
-                       float xmax, prepare_fn prepare) {
+                       float xmax, prepare_fn prepare, int64_t width) {
     int64_t Kp = (K + 31) / 32 * 32, Gp = (Kp / 32 + 7) / 8 * 8;
     /* 64-byte aligned (rows are 32 * Kp / 16 bytes long): an activation load never straddles two cache lines, which
        cost ~15% at 4 rows with malloc's 16-byte alignment */
@@ -131,12 +134,12 @@ static int int8_linear(const float* x, int64_t ldx, int64_t M, int64_t K, const 
     /* with 3+ rows the AVX2 build reads a group twice: prefetch the next group (at least 1 KiB on) so the memory
        stream goes on during the second pass; 1-2 rows read it once, 1 KiB ahead (the AVX-512 build reads every
        group once and keeps the same distances) */
-    int64_t group_bytes = (fmt & FMT_NIBBLES ? 2 : 4) * Kp, groups = (N + 3) / 4;
-    int64_t ahead = M > 2 && group_bytes > 1024 ? group_bytes : 1024, esz = fmt & FMT_HALF ? 2 : 4;
+    int64_t group_bytes = (fmt & FMT_NIBBLES ? Kp / 2 : Kp) * width, groups = (N + width - 1) / width;
+    int64_t ahead = width == 4 && M > 2 && group_bytes > 1024 ? group_bytes : 1024, esz = fmt & FMT_HALF ? 2 : 4;
     #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < groups; t++) {
-        int64_t n0 = t * 4, nb = N - n0 < 4 ? N - n0 : 4;
-        group(xq, xsum, xs, M, Kp, Gp, wp + t * group_bytes, (const char*)dp + t * Kp / 8 * esz,
+        int64_t n0 = t * width, nb = N - n0 < width ? N - n0 : width;
+        group(xq, xsum, xs, M, Kp, Gp, wp + t * group_bytes, (const char*)dp + n0 * (Kp / 32) * esz,
               (const char*)mp + n0 * Gp * esz, ahead, bias ? bias + n0 : 0, y + n0, N, nb, fmt);
     }
     free(xq); free(xs);
@@ -172,9 +175,9 @@ static int int8_linear(const float* x, int64_t ldx, int64_t M, int64_t K, const 
     }
 
 /* the library's one function, `dl_int8_linear` (int8_linear's arguments), over a build's own `group`, activation
-   grid and preparation */
-#define DL_INT8_LINEAR(group, xmax, prepare) \
+   grid, preparation and width (outputs a `group` call: 4, or 16) */
+#define DL_INT8_LINEAR(group, xmax, prepare, width) \
     int dl_int8_linear(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* wp, const void* dp, \
                        const void* mp, const float* bias, float* y, int64_t N, int fmt) { \
-        return int8_linear(x, ldx, M, K, wp, dp, mp, bias, y, N, fmt, group, xmax, prepare); \
+        return int8_linear(x, ldx, M, K, wp, dp, mp, bias, y, N, fmt, group, xmax, prepare, width); \
     }

@@ -27,11 +27,13 @@ call; the weights are packed at load time (`pack`) so that each group of 4 outpu
 Which build runs (`default_isa()`): the VNNI one where the CPU has avx512f, avx512bw and avx512_vnni and it builds,
 else the AVX-512 one where it has the first two, else the AVX2 one; DECODELAB_CPU_ISA=avx2 forces the AVX2 build on
 any CPU (int8_linear's DECODELAB_INT8_KERNEL=avx512 or =avx512vnni insists on one of the others). Each packs its
-weights for its own blocks (`pack`'s `row_bytes`), so a `Matrix` belongs to one build.
-Each build also carries a many-rows matmul over the same packed weights (`cpu_int8_rows.h`, `Matrix.rows`: rows in a
-register's lanes, 16 or 8; from 64 rows on ~1.4-1.8x faster on AVX-512, ~1.1-1.2x on AVX2; the engine runs a step's
-prompt rows through it, engine_service/engine/models/int8_linear.py `Int8Weight`); DECODELAB_INT8_ROWS=0 turns it
-off.
+weights for its own blocks (`pack`'s `row_bytes`; the VNNI build `pack_wide`, slabs of 16 outputs, one a lane), so a
+`Matrix` belongs to one build.
+The AVX2 and AVX-512 builds also carry a many-rows matmul over the same packed weights (`cpu_int8_rows.h`,
+`Matrix.rows`: rows in a register's lanes, 16 or 8; from 64 rows on ~1.4-1.8x faster than their decode blocks on
+AVX-512, ~1.1-1.2x on AVX2; the engine runs a step's prompt rows through it, engine_service/engine/models/int8_linear.py
+`Int8Weight`); DECODELAB_INT8_ROWS=0 turns it off. The VNNI build has none: its decode blocks (16 outputs in a
+register's lanes, up to 16 rows a block) are as fast from 64 rows to 512 and faster below.
 "avx512-simde" and "avx512vnni-simde" are the AVX-512 sources compiled against SIMDe's portable intrinsics (Debian's
 libsimde-dev): how the tests check those builds' logic on a CPU without the instructions (16-40x slower than the
 AVX2 build on Zen 3; never chosen by `default_isa()`).
@@ -52,26 +54,32 @@ import torch
 from kernels import _cbuild
 
 
-def _declare(lib: ctypes.CDLL) -> None:
+def _declare_linear(lib: ctypes.CDLL) -> None:
     i64, p = ctypes.c_int64, ctypes.c_void_p
     lib.dl_int8_linear.argtypes = [p, i64, i64, i64, p, p, p, p, p, i64, ctypes.c_int]
     lib.dl_int8_linear.restype = ctypes.c_int
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    _declare_linear(lib)
     lib.dl_int8_rows.argtypes = lib.dl_int8_linear.argtypes  # the many-rows matmul (cpu_int8_rows.h): same arguments
     lib.dl_int8_rows.restype = ctypes.c_int
 
 
 KERNELS = {
-    "avx512vnni": _cbuild.CKernel("cpu_int8_vnni", _declare, ("-mavx512f", "-mavx512bw", "-mavx512vnni"),
+    "avx512vnni": _cbuild.CKernel("cpu_int8_vnni", _declare_linear, ("-mavx512f", "-mavx512bw", "-mavx512vnni"),
                                   ("avx512f", "avx512bw", "avx512_vnni")),
     "avx512": _cbuild.CKernel("cpu_int8_avx512", _declare, ("-mavx512f", "-mavx512bw"), ("avx512f", "avx512bw")),
     "avx2": _cbuild.CKernel("cpu_int8", _declare),
     "avx512-simde": _cbuild.CKernel("cpu_int8_avx512", _declare, ("-DDL_SIMDE", "-Wno-psabi")),
-    "avx512vnni-simde": _cbuild.CKernel("cpu_int8_vnni", _declare, ("-DDL_SIMDE", "-Wno-psabi")),
+    "avx512vnni-simde": _cbuild.CKernel("cpu_int8_vnni", _declare_linear, ("-DDL_SIMDE", "-Wno-psabi")),
 }
 # By source (a build's and its SIMDe twin's): a row's bytes of 8-bit codes per piece (`pack`), and the int16 code
 # of a row's largest |x| (its grid: max |x| / this; the VNNI build splits codes into two int8s).
 ROW_BYTES = {"cpu_int8": 16, "cpu_int8_avx512": 32, "cpu_int8_vnni": 32}
 ACTIVATION_MAX = {"cpu_int8": 32767, "cpu_int8_avx512": 32767, "cpu_int8_vnni": 32639}
+WIDE_SOURCES = {"cpu_int8_vnni"}  # packed in slabs of 16 outputs (`pack_wide`), not groups of 4
+ROWS_SOURCES = {"cpu_int8", "cpu_int8_avx512"}  # with a many-rows matmul (cpu_int8_rows.h, `Matrix.rows`)
 CPU_ISAS = ("avx2", "avx512", "generic")  # DECODELAB_CPU_ISA's values; unset or empty: what the CPU has
 
 
@@ -203,6 +211,37 @@ def pack_offsets(m: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.T
     return torch.nn.functional.pad(m.float(), (0, -m.shape[1] % 8, 0, -m.shape[0] % 4)).to(dtype).contiguous()
 
 
+WIDE = 16  # the VNNI build's slab: outputs a zmm holds, one a lane (`pack_wide`)
+
+
+def _nibble_bytes(u4: torch.Tensor) -> torch.Tensor:
+    """4-bit codes u4 [N, Kp] as [N, Kp / 32, 16] bytes: byte j of a group = u4[j] | u4[16 + j] << 4."""
+    n, kp = u4.shape
+    assert kp % GROUP == 0 and bool((u4 < 16).all()), kp
+    halves = u4.view(n, kp // GROUP, 2, 16)
+    return halves[:, :, 0] | (halves[:, :, 1] << 4)
+
+
+def pack_wide(u: torch.Tensor, nibbles: bool) -> torch.Tensor:
+    """Codes u [N, Kp] (8-bit, or 4-bit ones < 16 with `nibbles`) in the VNNI build's layout: slabs of 16 output
+    rows (N padded with zero rows to a multiple of 16), each weight group's codes as 8 (4-bit: 4) pieces of 64
+    bytes, piece q holding each of the 16 rows' 4 bytes at k 4q .. 4q + 3 (4-bit: `pack4`'s bytes 4q .. 4q + 3, so
+    low nibbles k 4q.., high ones k 16 + 4q..): [ceil(N / 16), Kp / 32, 8 or 4, 16, 4]. The same bytes as `pack`
+    or `pack4`, another order: a zmm of a piece multiplies 16 outputs at once."""
+    rows = _nibble_bytes(u) if nibbles else u.view(u.shape[0], -1, GROUP)  # [N, G, 16 or 32]
+    padded = torch.nn.functional.pad(rows, (0, 0, 0, 0, 0, -u.shape[0] % WIDE))
+    s, g, b = padded.shape[0] // WIDE, padded.shape[1], padded.shape[2]
+    return padded.view(s, WIDE, g, b // 4, 4).permute(0, 2, 3, 1, 4).contiguous()
+
+
+def pack_wide_scales(d: torch.Tensor, dtype: torch.dtype = torch.float32, groups: int | None = None) -> torch.Tensor:
+    """Steps or offsets d [N, G] for `pack_wide`'s slabs: [ceil(N / 16), groups (default G), 16] in `dtype`, zeros
+    past N and G (offsets take G rounded up to 8, as `pack_offsets`)."""
+    groups = groups or d.shape[1]
+    padded = torch.nn.functional.pad(d.float(), (0, groups - d.shape[1], 0, -d.shape[0] % WIDE))
+    return padded.view(-1, WIDE, groups).transpose(1, 2).to(dtype).contiguous()
+
+
 def fp16_exact(t: torch.Tensor) -> bool:
     """Whether fp16 holds every value of t to 2^-16 of itself: a GGUF's Q4_1 / Q8_0 scales, fp16 to begin with, pass
     after our fp32 arithmetic on them (~1e-6 off); a scale computed from fp32 weights lands that close to an fp16
@@ -212,8 +251,8 @@ def fp16_exact(t: torch.Tensor) -> bool:
 
 
 def rows_enabled() -> bool:
-    """Whether `Matrix.rows` may run the many-rows matmul (every build's `dl_int8_rows`); DECODELAB_INT8_ROWS=0
-    keeps every row on `dl_int8_linear`."""
+    """Whether `Matrix.rows` may run the many-rows matmul (`dl_int8_rows`, where the build has it);
+    DECODELAB_INT8_ROWS=0 keeps every row on `dl_int8_linear`."""
     return os.environ.get("DECODELAB_INT8_ROWS", "1") != "0"
 
 
@@ -243,30 +282,34 @@ class Matrix:
         self.isa = isa or default_isa()
         self.kernel = KERNELS[self.isa]
         self.nibbles = nibbles_enabled() and four_bit(w.u)
-        if self.nibbles:
-            self.packed, steps = pack4(w.u // 17), w.d * 17
-        else:
-            self.packed, steps = pack(w.u, ROW_BYTES[self.kernel.name]), w.d
+        codes, steps = (w.u // 17, w.d * 17) if self.nibbles else (w.u, w.d)
         # fp16 steps and offsets where that rounds none of them (a GGUF's): 4 bytes fewer per 32 weights
         self.half = half_scales_enabled() and fp16_exact(steps) and fp16_exact(w.m)
         dtype = torch.float16 if self.half else torch.float32
-        self.steps, self.offsets = pack_steps(steps, dtype), pack_offsets(w.m, dtype)
+        if self.kernel.name in WIDE_SOURCES:
+            self.packed = pack_wide(codes, self.nibbles)
+            self.steps = pack_wide_scales(steps, dtype)
+            self.offsets = pack_wide_scales(w.m, dtype, -(-w.m.shape[1] // 8) * 8)
+        else:
+            self.packed = pack4(codes) if self.nibbles else pack(codes, ROW_BYTES[self.kernel.name])
+            self.steps, self.offsets = pack_steps(steps, dtype), pack_offsets(w.m, dtype)
         self.fmt = FMT_NIBBLES * self.nibbles | FMT_HALF * self.half
         self.bias = None if bias is None else bias.contiguous()
         self.n, self.k = w.n, w.k
         self._ptrs = (self.packed.data_ptr(), self.steps.data_ptr(), self.offsets.data_ptr(),
                       None if bias is None else self.bias.data_ptr(), self.fmt)
-        self.has_rows = rows_enabled()  # the many-rows matmul (cpu_int8_rows.h), unless DECODELAB_INT8_ROWS=0
+        # the many-rows matmul (cpu_int8_rows.h) where the build has one, unless DECODELAB_INT8_ROWS=0
+        self.has_rows = rows_enabled() and self.kernel.name in ROWS_SOURCES
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] fp32 on the CPU -> [M, N] fp32."""
         return self._run(self.kernel.lib.dl_int8_linear, x)
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
-        """The same product through the many-rows matmul (`has_rows`; else as `m(x)`): a register's rows' work
-        (16, AVX2 8) for every panel, full or not; from 64 rows on ~1.4-1.8x faster than `m(x)` on the AVX-512
-        builds, ~1.1-1.2x on the AVX2 one (AMD Zen 5, docs/kernels.md); each row's bits independent of the
-        others, though not `m(x)`'s."""
+        """The same product through the many-rows matmul (`has_rows`; else as `m(x)`, as always on the VNNI build): a
+        register's rows' work (16, AVX2 8) for every panel, full or not; from 64 rows on ~1.4-1.8x faster than
+        `m(x)` on the AVX-512 build, ~1.1-1.2x on the AVX2 one (AMD Zen 5, docs/kernels.md); each row's bits
+        independent of the others, though not `m(x)`'s."""
         return self._run(self.kernel.lib.dl_int8_rows if self.has_rows else self.kernel.lib.dl_int8_linear, x)
 
     def _run(self, fn, x: torch.Tensor) -> torch.Tensor:

@@ -79,7 +79,7 @@ BLOCK block(const int R, const int16_t* x, const float* xsum, int64_t Kp, int64_
 /* each row count compiled for each format, and `group` over them (cpu_int8.h) */
 BLOCKS_AND_GROUP(block)
 
-DL_INT8_LINEAR(group, 32767.0f, 0)
+DL_INT8_LINEAR(group, 32767.0f, 0, 4)
 
 /* the many-rows matmul (prompt tokens): 16 rows a zmm, vpmaddwd + vpaddd */
 #define DL_ROWS_512

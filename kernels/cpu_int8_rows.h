@@ -1,14 +1,14 @@
 /* Our int8 kernel's second matmul, for many rows at once (a prompt's): `dl_int8_rows`, the arguments and the
    weights of `dl_int8_linear` (cpu_int8.h: the same packed codes, steps and offsets, 8-bit or 4-bit; int16
-   activations on the 32767 grid; exact integer group sums), laid out the other way round. Each build includes it
-   (cpu_int8.c, cpu_int8_avx512.c, cpu_int8_vnni.c).
+   activations on the 32767 grid; exact integer group sums), laid out the other way round. The AVX2 and AVX-512 builds include
+   it (cpu_int8.c, cpu_int8_avx512.c); the VNNI build did until session 31, when its own blocks of up to 16 rows
+   (outputs in the lanes) came to run as fast from 64 rows to 512, so it has none.
 
    The blocks of `dl_int8_linear` hold one (row, output) pair's products of a group in the lanes of a register, so
    every group of every pair ends with a conversion, an FMA and (at the end) a lane sum: about 4-5 instructions per
    32 products, whichever row count. Here a register's lanes are rows (16 in a zmm, 8 in the AVX2 build's ymm):
    each row's codes are transposed into dwords of two neighbouring k (`panels`), a weight's two codes at the same k
-   are broadcast as one dword, and one vpdpwssd (AVX512-VNNI; vpmaddwd and vpaddd elsewhere) adds LANES rows x 2
-   products into LANES int32 sums, for as many k as a group has: 16 of them per group, LANES rows and output, then
+   are broadcast as one dword, and one vpmaddwd and one vpaddd add LANES rows x 2 products into LANES int32 sums, for as many k as a group has: 16 of them per group, LANES rows and output, then
    one conversion and one FMA by the group's step. A block is 2 x LANES rows x ROWS_OUT outputs (16 or 8 int32
    accumulators), its weights widened to int16 once per call into a thread's buffer (L1-sized for K up to ~1500).
    Measured on an AMD Zen 5 (docs/kernels.md).
@@ -24,7 +24,7 @@
 #include <string.h>
 #include "cpu_int8.h"
 
-/* The register: 16 lanes (zmm) in the AVX-512 builds, which define DL_ROWS_512 before including this, 8 (ymm) in the
+/* The register: 16 lanes (zmm) in the AVX-512 build, which defines DL_ROWS_512 before including this, 8 (ymm) in the
    AVX2 one (cpu_int8.c); ROWS_OUT outputs a block (two packed groups of 4, or one). DOT2 adds x . w (each lane's two
    int16 products) into acc, in place, in assembly: through the intrinsics GCC 12 adds into a copy of each
    accumulator and moves it back, or spills them. */
@@ -42,12 +42,8 @@ typedef __m512 vflt;
 #define VSET1F(v) _mm512_set1_ps(v)
 #define VFMADD(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define VCVT(v) _mm512_cvtepi32_ps(v)
-#if defined(DL_SIMDE) && defined(DL_ROWS_VNNI)
-#define DOT2(acc, x, w) (acc = _mm512_dpwssd_epi32(acc, x, w))
-#elif defined(DL_SIMDE)
+#if defined(DL_SIMDE)
 #define DOT2(acc, x, w) (acc = _mm512_add_epi32(acc, _mm512_madd_epi16(x, w)))
-#elif defined(DL_ROWS_VNNI)
-#define DOT2(acc, x, w) __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(x), "v"(w))
 #else
 #define DOT2(acc, x, w) do { __m512i t_; \
     __asm__("vpmaddwd %3, %2, %1\n\tvpaddd %1, %0, %0" : "+v"(acc), "=&v"(t_) : "v"(x), "v"(w)); } while (0)

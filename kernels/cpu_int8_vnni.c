@@ -5,21 +5,23 @@
    vpdpbusd multiplies 64 unsigned bytes by 64 signed ones and adds each 4 neighbouring products into 16 int32
    lanes. The weight codes are the unsigned bytes as they are; an activation's int16 code x is split into two signed
    bytes, hi = (x + 128) >> 8 and lo = x - 256 hi (so the grid stops at 127 * 256 + 127 = 32639, XMAX, where the
-   other builds' stops at 32767: the same relative error, ~1.5e-5), and a group's sum is (w . hi) * 256 + w . lo:
-   four vpdpbusd and a shift for 32 weights x 4 outputs of 4-bit codes. No 8-bit rounding of the activations (the
-   loss that kept this instruction out before); the integers are exactly the other builds' w . x. Where the
-   AVX-512 build widens every code to int16 and needs a vpmaddwd, a conversion and an FMA per output and group,
-   one zmm here holds a whole group of 4 outputs: the weights' bytes go in as loaded (4-bit: a mask and a shift),
-   and one conversion and one FMA per group serve all 4 outputs: per group and row, about 2.5x fewer instructions
-   at 1 row and 2x at 4, on paper. Measured on an AMD Zen 5 (SmolLM2's 4-bit decoder, 2 threads): 0.88x the
-   AVX-512 build's time at 1 row and 0.81x at 8 (docs/kernels.md); 8-bit codes at 1 row are bound by memory in both.
+   other builds' stops at 32767: the same relative error, ~1.5e-5), and a group's sum is (w . hi) * 256 + w . lo.
+   No 8-bit rounding of the activations (the loss that kept this instruction out before); the integers are
+   exactly the other builds' w . x. Where the AVX-512 build widens every code to int16 and needs a vpmaddwd, a conversion and an FMA per output and group,
+   the bytes here go in as loaded (4-bit: a mask and a shift).
 
-   Lanes: 4-bit, a group's 64 bytes are 4 outputs x 16 bytes (`pack4`), so the low nibbles give lanes 4o..4o+3 of
-   output o's k 0-15, the high nibbles k 16-31, against the row's 16 hi (or lo) bytes repeated 4 times; 8-bit, 128
-   bytes are 4 outputs x 32 (`pack(u, 32)`, the AVX-512 layout), two zmm of 2 outputs, lanes 8o..8o+7, against the
-   row's 32 bytes twice. After the last group each output's lanes go to 8 (zero-padded from 4), the offsets' term
-   and cpu_int8.h's lane sums follow. Every row goes through the same operations whichever block computes it, so a
-   row gives the same bits alone or in any batch (not the other builds' bits: fewer lanes, another order). */
+   Lanes (since session 31): a zmm holds 16 outputs, one a lane, each lane 4 neighbouring k of its output; the
+   weights come in slabs of 16 outputs (kernels/cpu_int8.py `pack_wide`: a k-group is 8 zmm of codes, or 4 of
+   nibble bytes whose low nibbles are k 4q.. and high ones k 16 + 4q..), and a row's 4 bytes at those k are
+   broadcast to every lane. Per row, group and slab: 16 vpdpbusd (8 for hi, 8 for lo), a shift and an add, then
+   one conversion and one FMA by the 16 outputs' steps (stored 16 a group, as the offsets): a lane ends as its
+   output's sum, so no lane sums follow. The codes of a k-group are loaded and split once for up to WIDE_ROWS
+   rows. Before, a zmm held a group of 4 outputs (4 lanes each) and every 4 outputs paid the shift, conversion and
+   FMA, and 4 broadcasts of 16 bytes; on an AMD Zen 5 (SmolLM2's 120 4-bit decoder matrices with fp16 steps, one
+   thread) this layout takes 0.89x that one's time at 1 row, 0.70x at 8, 0.57x at 128 (docs/kernels.md).
+
+   Each row goes through the same operations whichever block computes it (a block is one to WIDE_ROWS rows of one
+   slab), so a row gives the same bits alone or in any batch (not the other builds' bits: another order). */
 #include "cpu_simde512.h"
 #include <immintrin.h>
 #include "cpu_simd.h"
@@ -50,80 +52,99 @@ static int split_rows(int16_t* xq, int64_t M, int64_t Kp) {
 }
 
 #define BLOCK static inline __attribute__((always_inline)) void
+#define WIDE_ROWS 16  /* rows a block: a k-group's weights are decoded once for up to 16 rows */
 
-/* t = (w . hi) * 256 + w . lo over one zmm of weight bytes, against a row's hi and lo bytes arranged as its lanes */
-static inline __m512i dot(__m512i w, __m512i hi, __m512i lo) {
-    __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, hi);
-    return _mm512_dpbusd_epi32(_mm512_slli_epi32(t, 8), w, lo);
-}
-/* the 4-bit form: the group's low nibbles against k 0-15, the high ones against k 16-31 */
-static inline __m512i dot4(__m512i wl, __m512i wh, __m512i hl, __m512i hh, __m512i ll, __m512i lh) {
-    __m512i t = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wl, hl), wh, hh);
-    return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_slli_epi32(t, 8), wl, ll), wh, lh);
-}
-static inline __m512i rep4(const int8_t* p) { return _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)p)); }
-static inline __m512i rep2(const int8_t* p) { return _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)p)); }
+/* a row's 4 activation bytes at p as every lane of a zmm (memcpy: the bytes were written as int16) */
+static inline __m512i quad(const int8_t* p) { int32_t v; memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
 
-/* R rows of split activations (2 * Kp bytes apart; group sums Gp apart in xsum) times packed group g's 4 outputs,
-   over Kp / 32 weight groups; dp: the 4 outputs' steps, 4 a group; m: the first output's offsets, Gp apart (fp16
-   with half, else fp32). s[r][o]: row r, output o. R is a constant in each caller: the loops unroll. */
-BLOCK block(const int R, const int16_t* x, const float* xsum, int64_t Kp, int64_t Gp, const uint8_t* g,
-            const char* dp, const char* m, int64_t ahead, float s[4][4], const int nib, const int half) {
-    __m512 acc[4][2];
-    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    const int64_t stride = nib ? 64 : 128, esz = half ? 2 : 4;
-    /* a group's 4 steps to the lanes of their outputs */
-    const __m512i by4 = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-    const __m512i by8a = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    const __m512i by8b = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2);
+/* 16 steps or offsets from p: fp32, or fp16 with half */
+static inline __m512 scales16(const char* p, int half) {
+    if (!half) return _mm512_loadu_ps((const float*)p);
+    __m256 a = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+    __m256 b = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16)));
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(a)), _mm256_castps_pd(b), 1));
+}
+
+/* R rows of split activations (2 * Kp bytes apart; group sums Gp apart in xsum) times one packed slab of 16
+   outputs (`pack_wide`: a k-group's codes as 8 (4-bit: 4) zmm of 16 outputs x 4 neighbouring k), its steps dp and
+   offsets mp 16 a group; y, ldy apart by row: nb <= 16 outputs times each row's step xs, plus bias. R is a
+   constant in each caller. Each k-group prefetches `ahead` bytes on. */
+BLOCK wide(const int R, const int16_t* x, const float* xsum, const float* xs, int64_t Kp, int64_t Gp,
+           const uint8_t* g, const char* dp, const char* mp, int64_t ahead, const float* bias, float* y, int64_t ldy,
+           int64_t nb, const int nib, const int half) {
+    __m512 acc[WIDE_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    const int64_t stride = nib ? 256 : 512, esz = half ? 2 : 4;
     const __m512i nibble = _mm512_set1_epi8(0x0F);
-    for (int64_t k = 0; k < Kp; k += 32, g += stride, dp += 4 * esz) {
-        _mm_prefetch((const char*)g + ahead, _MM_HINT_T0);
-        if (!nib) _mm_prefetch((const char*)g + 64 + ahead, _MM_HINT_T0);
-        __m512 d = _mm512_castps128_ps512(half ? _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)dp))
-                                               : _mm_loadu_ps((const float*)dp));
+    for (int64_t k = 0; k < Kp; k += 32, g += stride, dp += 16 * esz) {
+        for (int64_t b = 0; b < stride; b += 64) _mm_prefetch((const char*)g + ahead + b, _MM_HINT_T0);
+        __m512i w[8];  /* w[q]: the 16 outputs' codes at k 4q .. 4q + 3 */
         if (nib) {
-            __m512i v = _mm512_loadu_si512((const void*)g);
-            __m512i wl = _mm512_and_si512(v, nibble), wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-            __m512 step = _mm512_permutexvar_ps(by4, d);
-            for (int r = 0; r < R; r++) {
-                const int8_t* hi = (const int8_t*)(x + r * Kp) + k, *lo = hi + Kp;
-                __m512i t = dot4(wl, wh, rep4(hi), rep4(hi + 16), rep4(lo), rep4(lo + 16));
-                acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), step, acc[r][0]);
+            for (int q = 0; q < 4; q++) {
+                __m512i v = _mm512_loadu_si512((const void*)(g + 64 * q));
+                w[q] = _mm512_and_si512(v, nibble);
+                w[q + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
             }
         } else {
-            __m512i wa = _mm512_loadu_si512((const void*)g), wb = _mm512_loadu_si512((const void*)(g + 64));
-            __m512 sa = _mm512_permutexvar_ps(by8a, d), sb = _mm512_permutexvar_ps(by8b, d);
-            for (int r = 0; r < R; r++) {
-                const int8_t* hi = (const int8_t*)(x + r * Kp) + k, *lo = hi + Kp;
-                __m512i h = rep2(hi), l = rep2(lo);
-                acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot(wa, h, l)), sa, acc[r][0]);
-                acc[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot(wb, h, l)), sb, acc[r][1]);
-            }
+            for (int q = 0; q < 8; q++) w[q] = _mm512_loadu_si512((const void*)(g + 64 * q));
         }
+        __m512 step = scales16(dp, half);
+        for (int r = 0; r < R; r++) {
+            const int8_t* hi = (const int8_t*)(x + r * Kp) + k, *lo = hi + Kp;
+            __m512i th = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], quad(hi));
+            __m512i tl = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], quad(lo));
+            for (int q = 1; q < 8; q++) {
+                th = _mm512_dpbusd_epi32(th, w[q], quad(hi + 4 * q));
+                tl = _mm512_dpbusd_epi32(tl, w[q], quad(lo + 4 * q));
+            }
+            __m512i t = _mm512_add_epi32(_mm512_slli_epi32(th, 8), tl);  /* w . x: (w . hi) * 256 + w . lo */
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), step, acc[r]);
+        }
+    }
+    for (int64_t j = 0; j < Kp / 32; j++) {  /* the offsets' term, group by group */
+        const char* mj = mp + j * 16 * esz;
+        __m512 m = scales16(mj, half);
+        for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[r * Gp + j]), m, acc[r]);
     }
     for (int r = 0; r < R; r++) {
-        __m256 h[4];
-        if (nib) {
-            for (int o = 0; o < 4; o++)
-                h[o] = _mm256_insertf128_ps(_mm256_setzero_ps(), _mm512_extractf32x4_ps(acc[r][0], o), 0);
-        } else {
-            for (int a = 0; a < 2; a++) {
-                h[2 * a] = _mm512_castps512_ps256(acc[r][a]);
-                h[2 * a + 1] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][a]), 1));
-            }
-        }
-        for (int o = 0; o < 4; o++) h[o] = offsets(h[o], xsum + r * Gp, m + o * Gp * esz, Gp, half);
-        _mm_storeu_ps(s[r], reduce4(h[0], h[1], h[2], h[3]));
+        float out[16];
+        _mm512_storeu_ps(out, _mm512_mul_ps(acc[r], _mm512_set1_ps(xs[r])));
+        for (int64_t o = 0; o < nb; o++) y[r * ldy + o] = bias ? out[o] + bias[o] : out[o];
     }
 }
 
-/* each row count compiled for each format, and `group` over them (cpu_int8.h) */
-BLOCKS_AND_GROUP(block)
+/* `wide` compiled for each row count (1 to WIDE_ROWS) and each format (cpu_int8.h `FMT_*`) */
+typedef void (*wide_fn)(const int16_t*, const float*, const float*, int64_t, int64_t, const uint8_t*, const char*,
+                        const char*, int64_t, const float*, float*, int64_t, int64_t);
+#define WIDE_FORMAT(R, fmt) \
+    static void wide_##R##_##fmt(const int16_t* x, const float* xsum, const float* xs, int64_t Kp, int64_t Gp, \
+                                 const uint8_t* g, const char* d, const char* m, int64_t ahead, const float* bias, \
+                                 float* y, int64_t ldy, int64_t nb) { \
+        wide(R, x, xsum, xs, Kp, Gp, g, d, m, ahead, bias, y, ldy, nb, (fmt) & FMT_NIBBLES, \
+             ((fmt) & FMT_HALF) != 0); }
+#define WIDE_ROWS_FMT(R) WIDE_FORMAT(R, 0) WIDE_FORMAT(R, 1) WIDE_FORMAT(R, 2) WIDE_FORMAT(R, 3)
+WIDE_ROWS_FMT(1) WIDE_ROWS_FMT(2) WIDE_ROWS_FMT(3) WIDE_ROWS_FMT(4) WIDE_ROWS_FMT(5) WIDE_ROWS_FMT(6)
+WIDE_ROWS_FMT(7) WIDE_ROWS_FMT(8) WIDE_ROWS_FMT(9) WIDE_ROWS_FMT(10) WIDE_ROWS_FMT(11) WIDE_ROWS_FMT(12)
+WIDE_ROWS_FMT(13) WIDE_ROWS_FMT(14) WIDE_ROWS_FMT(15) WIDE_ROWS_FMT(16)
+#define WIDE_BY_ROWS(f) {0, wide_1_##f, wide_2_##f, wide_3_##f, wide_4_##f, wide_5_##f, wide_6_##f, wide_7_##f, \
+                         wide_8_##f, wide_9_##f, wide_10_##f, wide_11_##f, wide_12_##f, wide_13_##f, wide_14_##f, \
+                         wide_15_##f, wide_16_##f}
 
-DL_INT8_LINEAR(group, XMAX, split_rows)
+/* every row of xq times one slab of 16 outputs (nb of them real), in even chunks of at most WIDE_ROWS rows */
+static void slab(const int16_t* xq, const float* xsum, const float* xs, int64_t M, int64_t Kp, int64_t Gp,
+                 const uint8_t* g, const char* d, const char* m, int64_t ahead, const float* bias, float* y,
+                 int64_t ldy, int64_t nb, int fmt) {
+    static const wide_fn by_fmt[4][WIDE_ROWS + 1] = {WIDE_BY_ROWS(0), WIDE_BY_ROWS(1), WIDE_BY_ROWS(2),
+                                                     WIDE_BY_ROWS(3)};
+    int64_t chunks = (M + WIDE_ROWS - 1) / WIDE_ROWS, i0 = 0;
+    for (int64_t c = 0; c < chunks; c++) {
+        int64_t r = chunk_rows(M, i0, chunks, c);
+        by_fmt[fmt][r](xq + i0 * Kp, xsum + i0 * Gp, xs + i0, Kp, Gp, g, d, m, ahead, bias, y + i0 * ldy, ldy, nb);
+        i0 += r;
+    }
+}
 
-/* the many-rows matmul (prompt tokens): 16 rows a zmm, vpdpwssd */
-#define DL_ROWS_512
-#define DL_ROWS_VNNI
-#include "cpu_int8_rows.h"
+DL_INT8_LINEAR(slab, XMAX, split_rows, 16)
+
+/* No many-rows matmul here (cpu_int8_rows.h, which the other builds carry for prompt rows): this one's blocks of up
+   to 16 rows are as fast as it from 64 rows to 512 and faster below, so every row takes them (docs/kernels.md). */

@@ -1,12 +1,13 @@
-"""kernels/cpu_int8.c and cpu_int8_avx512.c, our AVX2 and AVX-512 kernels for grouped 8-bit weights x
-int16-quantized activations: each against its exact reference (the same integers in float64) and the float product,
-every block shape (rows 1-9 and more, outputs and inner sizes off its 4 x 32 grid), the bias, a row alone or in any
-batch, long rows, NaN and inf (its build's fall-back: test_cbuild.py); and `quantize`, its weight format
-(GroupedInt8).
+"""kernels/cpu_int8.c, cpu_int8_avx512.c and cpu_int8_vnni.c, our AVX2, AVX-512 and AVX512-VNNI kernels for grouped
+8-bit weights x int16-quantized activations: each against its exact reference (the same integers in float64) and the
+float product, every block shape (rows 1-9 and more, past the VNNI build's 16-row chunks; outputs and inner sizes
+off its 4 x 32 or 16 x 32 grid), the bias, a row alone or in any batch, long rows, NaN and inf (its build's
+fall-back: test_cbuild.py); `quantize`, its weight format (GroupedInt8), and the packed layouts.
 
-Each test runs on every build that runs here: "avx2" where the CPU has AVX2, "avx512" where it has AVX-512 F + BW
-(the skip names what it lacks), and "avx512-simde", the AVX-512 source on SIMDe's portable intrinsics (Debian's
-libsimde-dev, which `make test` installs), so the AVX-512 build's logic is checked on every x86 CPU."""
+Each test runs on every build that runs here: "avx2" where the CPU has AVX2, "avx512" where it has AVX-512 F + BW,
+"avx512vnni" where it has AVX512-VNNI too (the skips name what it lacks), and "avx512-simde" and "avx512vnni-simde",
+the AVX-512 sources on SIMDe's portable intrinsics (Debian's libsimde-dev, which `make test` installs), so those
+builds' logic is checked on every x86 CPU."""
 import pytest
 import torch
 from hypothesis import example, given, settings
@@ -64,6 +65,7 @@ def check(x, w: cpu_int8.GroupedInt8, bias=None, isa=None) -> torch.Tensor:
 @example(rows=8, n=960, k=576, bias=False, seed=0)  # a SmolLM2 qkv projection, the four-mode batch
 @example(rows=1, n=576, k=1536, bias=True, seed=1)  # down_proj at batch 1
 @example(rows=7, n=10, k=37, bias=True, seed=2)  # chunks of 4 and 3 rows, a part-filled group, a padded k-step
+@example(rows=35, n=37, k=70, bias=True, seed=4)  # VNNI: chunks of 12, 12, 11 rows; slabs of 16, 16 and 5 outputs
 @pytest.mark.parametrize("isa", ISAS)
 def test_per_row_int8_matches_its_reference_and_the_float_product_and_each_row_is_batch_invariant(isa, rows, n, k, bias,
                                                                                                    seed):
@@ -84,6 +86,7 @@ def test_per_row_int8_matches_its_reference_and_the_float_product_and_each_row_i
 @given(rows=st.integers(1, 9), n=st.integers(1, 21), k=st.integers(1, 100), outliers=st.booleans(),
        seed=st.integers(0, 10_000))
 @example(rows=4, n=576, k=1536, outliers=True, seed=3)  # SmolLM2's down_proj
+@example(rows=17, n=21, k=100, outliers=True, seed=5)  # chunks of 9 and 8 (VNNI), a slab of 5 outputs
 @pytest.mark.parametrize("isa", ISAS)
 def test_grouped_weights_match_their_reference_and_are_batch_invariant(isa, rows, n, k, outliers, seed):
     g = torch.Generator().manual_seed(seed)
@@ -193,6 +196,7 @@ def q4_grid(n: int, k: int, seed: int) -> torch.Tensor:
 @given(rows=st.integers(1, 9), n=st.integers(1, 21), k=st.sampled_from([32, 64, 96]), seed=st.integers(0, 10_000))
 @example(rows=1, n=576, k=1536, seed=1)  # SmolLM2's down_proj at batch 1
 @example(rows=8, n=960, k=576, seed=0)  # its qkv projection, the four-mode batch
+@example(rows=128, n=44, k=96, seed=2)  # a batched decode step's rows: 8 chunks of 16 (VNNI)
 @pytest.mark.parametrize("isa", ISAS)
 def test_q4_weights_run_as_4_bit_codes_with_the_8_bit_results(isa, rows, n, k, seed):
     w = cpu_int8.quantize(q4_grid(n, k, seed))
@@ -230,6 +234,31 @@ def test_pack4_puts_a_groups_32_codes_in_16_bytes_low_nibbles_first():
             assert (byte >> 4 if k % 32 >= 16 else byte & 15) == u4[n, k]
     assert (p[1, :, 2:] == 0).all()  # the padding rows
     assert not cpu_int8.four_bit(torch.tensor([[0, 17, 18]], dtype=torch.uint8))
+
+
+def test_pack_wide_puts_16_rows_4_codes_each_in_a_piece_of_64_bytes():
+    # the VNNI build's layout: slab, weight group, piece q, row, byte b = code at k 4q + b (4-bit: pack4's bytes)
+    u = torch.arange(21 * 64, dtype=torch.int64).remainder(251).to(torch.uint8).view(21, 64)
+    p = cpu_int8.pack_wide(u, nibbles=False)
+    assert p.shape == (2, 2, 8, 16, 4) and p.is_contiguous()  # 21 rows -> 2 slabs of 16; K 64 -> 2 groups of 32
+    for n in range(21):
+        for k in range(64):
+            assert p[n // 16, k // 32, k % 32 // 4, n % 16, k % 4] == u[n, k]
+    assert (p[1, :, :, 5:] == 0).all()  # the padding rows
+    u4 = u % 16
+    p4, bytes4 = cpu_int8.pack_wide(u4, nibbles=True), cpu_int8.pack4(u4)
+    assert p4.shape == (2, 2, 4, 16, 4) and p4.numel() * 2 == p.numel()
+    for n in range(21):
+        for j in range(16):  # byte j of a group: codes k = j (low nibble) and 16 + j (high)
+            for g in range(2):
+                assert p4[n // 16, g, j // 4, n % 16, j % 4] == bytes4[n // 4, g, n % 4, j]
+    d = torch.arange(42, dtype=torch.float32).view(21, 2)
+    steps, offsets = cpu_int8.pack_wide_scales(d), cpu_int8.pack_wide_scales(d, torch.float16, 8)
+    assert steps.shape == (2, 2, 16) and offsets.shape == (2, 8, 16) and offsets.dtype == torch.float16
+    for n in range(21):
+        for j in range(2):
+            assert steps[n // 16, j, n % 16] == d[n, j] == offsets[n // 16, j, n % 16]
+    assert (steps[1, :, 5:] == 0).all() and (offsets[:, 2:] == 0).all()
 
 
 def test_four_bit_takes_exactly_the_multiples_of_17():
