@@ -1,15 +1,16 @@
 /* Our int8 kernel's second matmul, for many rows at once (a prompt's): `dl_int8_rows`, the arguments and the
    weights of `dl_int8_linear` (cpu_int8.h: the same packed codes, steps and offsets, 8-bit or 4-bit; int16
-   activations on the 32767 grid; exact integer group sums), laid out the other way round. The AVX2 and AVX-512 builds include
-   it (cpu_int8.c, cpu_int8_avx512.c); the VNNI build did until session 31, when its own blocks of up to 16 rows
-   (outputs in the lanes) came to run as fast from 64 rows to 512, so it has none.
+   activations on the 32767 grid; exact integer group sums), laid out the other way round. The AVX2 and AVX-512
+   builds include it (cpu_int8.c, cpu_int8_avx512.c); the VNNI build did until session 31, when its own blocks of up
+   to 16 rows (outputs in the lanes) came to run as fast from 64 rows to 512, so it has none.
 
    The blocks of `dl_int8_linear` hold one (row, output) pair's products of a group in the lanes of a register, so
    every group of every pair ends with a conversion, an FMA and (at the end) a lane sum: about 4-5 instructions per
    32 products, whichever row count. Here a register's lanes are rows (16 in a zmm, 8 in the AVX2 build's ymm):
    each row's codes are transposed into dwords of two neighbouring k (`panels`), a weight's two codes at the same k
-   are broadcast as one dword, and one vpmaddwd and one vpaddd add LANES rows x 2 products into LANES int32 sums, for as many k as a group has: 16 of them per group, LANES rows and output, then
-   one conversion and one FMA by the group's step. A block is 2 x LANES rows x ROWS_OUT outputs (16 or 8 int32
+   are broadcast as one dword, and one vpmaddwd and one vpaddd add LANES rows x 2 products into LANES int32 sums,
+   for as many k as a group has: 16 of them per group, LANES rows and output, then one conversion and one FMA by
+   the group's step. A block is 2 x LANES rows x ROWS_OUT outputs (16 or 8 int32
    accumulators), its weights widened to int16 once per call into a thread's buffer (L1-sized for K up to ~1500).
    Measured on an AMD Zen 5 (docs/kernels.md).
 

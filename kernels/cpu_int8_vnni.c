@@ -7,8 +7,10 @@
    bytes, hi = (x + 128) >> 8 and lo = x - 256 hi (so the grid stops at 127 * 256 + 127 = 32639, XMAX, where the
    other builds' stops at 32767: the same relative error, ~1.5e-5), and a group's sum is (w . hi) * 256 + w . lo.
    No 8-bit rounding of the activations (the loss that kept this instruction out before); the integers are
-   exactly the other builds' w . x. Where the AVX-512 build widens every code to int16 and needs a vpmaddwd, a conversion and an FMA per output and group,
-   the bytes here go in as loaded (4-bit: a mask and a shift).
+   exactly the other builds' w . x. Where the AVX-512 build widens every code to int16 and needs a vpmaddwd, a
+   conversion and an FMA per output and group, the bytes here go in as loaded (4-bit: a mask and a shift). Measured
+   against that build on an AMD Zen 5 in session 28 (SmolLM2's 4-bit decoder, 2 threads, this build's first
+   blocks): 0.88x its time at 1 row, 0.81x at 8.
 
    Lanes (since session 31): a zmm holds 16 outputs, one a lane, each lane 4 neighbouring k of its output; the
    weights come in slabs of 16 outputs (kernels/cpu_int8.py `pack_wide`: a k-group is 8 zmm of codes, or 4 of
@@ -17,8 +19,9 @@
    one conversion and one FMA by the 16 outputs' steps (stored 16 a group, as the offsets): a lane ends as its
    output's sum, so no lane sums follow. The codes of a k-group are loaded and split once for up to WIDE_ROWS
    rows. Before, a zmm held a group of 4 outputs (4 lanes each) and every 4 outputs paid the shift, conversion and
-   FMA, and 4 broadcasts of 16 bytes; on an AMD Zen 5 (SmolLM2's 120 4-bit decoder matrices with fp16 steps, one
-   thread) this layout takes 0.89x that one's time at 1 row, 0.70x at 8, 0.57x at 128 (docs/kernels.md).
+   FMA, and 4 broadcasts of 16 bytes; on an AMD Zen 5 (SmolLM2's 120 4-bit decoder matrices with fp16 steps, 1 and
+   2 threads) this layout takes 0.83-0.86x that one's time at 1 row, ~0.70x at 8, 0.53-0.58x at 16-128 rows, and as
+   fast as the many-rows matmul from 64 rows to 512, so this build has none (docs/kernels.md).
 
    Each row goes through the same operations whichever block computes it (a block is one to WIDE_ROWS rows of one
    slab), so a row gives the same bits alone or in any batch (not the other builds' bits: another order). */
