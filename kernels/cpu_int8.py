@@ -78,8 +78,8 @@ KERNELS = {
 # of a row's largest |x| (its grid: max |x| / this; the VNNI build splits codes into two int8s).
 ROW_BYTES = {"cpu_int8": 16, "cpu_int8_avx512": 32, "cpu_int8_vnni": 32}
 ACTIVATION_MAX = {"cpu_int8": 32767, "cpu_int8_avx512": 32767, "cpu_int8_vnni": 32639}
-WIDE_SOURCES = {"cpu_int8_vnni"}  # packed in slabs of 16 outputs (`pack_wide`), not groups of 4
-ROWS_SOURCES = {"cpu_int8", "cpu_int8_avx512"}  # with a many-rows matmul (cpu_int8_rows.h, `Matrix.rows`)
+# packed in slabs of 16 outputs (`pack_wide`), not groups of 4; their blocks take every row (no `dl_int8_rows`)
+WIDE_SOURCES = {"cpu_int8_vnni"}
 CPU_ISAS = ("avx2", "avx512", "generic")  # DECODELAB_CPU_ISA's values; unset or empty: what the CPU has
 
 
@@ -188,15 +188,20 @@ def four_bit(u: torch.Tensor) -> bool:
     return bool(((u * 241) <= 15).all())
 
 
+def _nibble_bytes(u4: torch.Tensor) -> torch.Tensor:
+    """4-bit codes u4 [N, Kp] as [N, Kp / 32, 16] bytes: byte j of a group = u4[j] | u4[16 + j] << 4."""
+    n, kp = u4.shape
+    assert kp % GROUP == 0 and bool((u4 < 16).all()), kp
+    halves = u4.view(n, kp // GROUP, 2, 16)
+    return halves[:, :, 0] | (halves[:, :, 1] << 4)
+
+
 def pack4(u4: torch.Tensor) -> torch.Tensor:
     """4-bit codes u4 [N, Kp] (uint8 < 16, Kp a multiple of GROUP) in the kernel's 4-bit layout: groups of 4 output
     rows, each row's 32 codes of a group in 16 bytes (byte j = u4[j] | u4[16 + j] << 4), the 4 rows' side by side:
     [ceil(N / 4), Kp / 32, 4, 16], half `pack`'s bytes."""
-    n, kp = u4.shape
-    assert kp % GROUP == 0 and bool((u4 < 16).all()), kp
-    padded = torch.nn.functional.pad(u4, (0, 0, 0, -n % 4)).view(-1, 4, kp // GROUP, 2, 16)
-    nibbles = padded[:, :, :, 0] | (padded[:, :, :, 1] << 4)  # [N / 4, 4, Kp / 32, 16]
-    return nibbles.transpose(1, 2).contiguous()
+    nibbles = torch.nn.functional.pad(_nibble_bytes(u4), (0, 0, 0, 0, 0, -u4.shape[0] % 4))  # [N, Kp / 32, 16]
+    return nibbles.view(-1, 4, *nibbles.shape[1:]).transpose(1, 2).contiguous()
 
 
 def pack_steps(d: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -212,14 +217,6 @@ def pack_offsets(m: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.T
 
 
 WIDE = 16  # the VNNI build's slab: outputs a zmm holds, one a lane (`pack_wide`)
-
-
-def _nibble_bytes(u4: torch.Tensor) -> torch.Tensor:
-    """4-bit codes u4 [N, Kp] as [N, Kp / 32, 16] bytes: byte j of a group = u4[j] | u4[16 + j] << 4."""
-    n, kp = u4.shape
-    assert kp % GROUP == 0 and bool((u4 < 16).all()), kp
-    halves = u4.view(n, kp // GROUP, 2, 16)
-    return halves[:, :, 0] | (halves[:, :, 1] << 4)
 
 
 def pack_wide(u: torch.Tensor, nibbles: bool) -> torch.Tensor:
@@ -299,7 +296,7 @@ class Matrix:
         self._ptrs = (self.packed.data_ptr(), self.steps.data_ptr(), self.offsets.data_ptr(),
                       None if bias is None else self.bias.data_ptr(), self.fmt)
         # the many-rows matmul (cpu_int8_rows.h) where the build has one, unless DECODELAB_INT8_ROWS=0
-        self.has_rows = rows_enabled() and self.kernel.name in ROWS_SOURCES
+        self.has_rows = rows_enabled() and self.kernel.name not in WIDE_SOURCES
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] fp32 on the CPU -> [M, N] fp32."""
