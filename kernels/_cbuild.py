@@ -1,7 +1,8 @@
 """Build and load the C kernels of this package (cpu_*.c) with the system compiler, once per source version.
 
 Each source is compiled with `$CC` (else `cc`), -O3 -mavx2 -mfma -mf16c -fopenmp (and a build's own flags: -mavx512f
--mavx512bw for cpu_int8_avx512.c, and -mavx512vnni for cpu_int8_vnni.c), into `$DECODELAB_CACHE_DIR/kernels` (default
+-mavx512bw for cpu_int8_avx512.c, and -mavx512vnni for cpu_int8_vnni.c; -mavx512f for cpu_decode_attention.c's
+AVX-512 build), into `$DECODELAB_CACHE_DIR/kernels` (default
 ~/.cache/decodelab/kernels) under a name that carries a hash of the source, the headers beside it (cpu_*.h) and the
 flags, built aside and renamed (processes may race). `build()` says why not instead when the CPU lacks an
 instruction set the build needs (AVX2, FMA and F16C for all: every AVX2 CPU has the other two), there is no
@@ -46,6 +47,18 @@ def cpu_flags() -> set[str]:
     except OSError:
         pass
     return set()
+
+
+CPU_ISAS = ("avx2", "avx512", "generic")  # DECODELAB_CPU_ISA's values; unset or empty: what the CPU has
+
+
+def cpu_isa() -> str:
+    """DECODELAB_CPU_ISA, checked ("" when unset): avx2 and generic narrow every choice; avx512 (or nothing) lets
+    the CPU decide, as it cannot add instructions the CPU lacks."""
+    chosen = os.environ.get("DECODELAB_CPU_ISA", "").lower()
+    if chosen and chosen not in CPU_ISAS:
+        raise ValueError(f"DECODELAB_CPU_ISA: expected one of {', '.join(CPU_ISAS)}, got {chosen!r}")
+    return chosen
 
 
 def generic_cpu() -> bool:

@@ -1,4 +1,4 @@
-"""Paged decode attention for x86 CPUs with AVX2 + FMA (`cpu_decode_attention.c`), built on first use.
+"""Paged decode attention for x86 CPUs with AVX2 + FMA, or AVX-512 F (`cpu_decode_attention.c`), built on first use.
 
 Why: on the torch path a decode step's attention is, per layer, two gathers of the sequences' blocks into a
 padded copy, SDPA with a length mask, and the reshapes around them: ~0.14 ms a layer at batch 1 on the 2-core
@@ -8,6 +8,11 @@ through the block table, once per KV head for all its query heads (docs/kernels.
 The engine uses it for fp32 queries over fp32 or int8 caches on the CPU when it builds (kernels/_cbuild.py);
 `unavailable()` says why not, and `supports()` whether a given call fits (head size a multiple of 8 up to 256,
 at most 16 query heads per KV head). Anything else runs the torch path.
+
+Two builds of the one source (`kernel()` picks): "avx512" (-mavx512f: 16 lanes a register, the scores of 16 tokens
+summed as a tree, a token's V row loaded once for up to 4 query heads; head sizes that are not a multiple of 16
+take the 8-lane code inside it) where the CPU has AVX-512 F and DECODELAB_CPU_ISA does not narrow it to avx2, else
+"avx2". Either gives a sequence the same bits alone or in any batch; the two round differently from each other.
 """
 from __future__ import annotations
 
@@ -29,9 +34,29 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dl_store_kv.restype = None
 
 
-KERNEL = _cbuild.CKernel("cpu_decode_attention", _declare)
-unavailable = KERNEL.unavailable  # None if the kernel runs here, else why not
-enabled = KERNEL.enabled  # whether the engine should use it (it builds, and DECODELAB_CPU_KERNELS is not torch)
+BUILDS = {"avx512": _cbuild.CKernel("cpu_decode_attention", _declare, ("-mavx512f",), ("avx512f",)),
+          "avx2": _cbuild.CKernel("cpu_decode_attention", _declare)}
+
+
+def build_name() -> str:
+    """The build the engine uses: "avx512" where it runs and DECODELAB_CPU_ISA allows AVX-512, else "avx2"."""
+    if _cbuild.cpu_isa() not in ("avx2", "generic") and BUILDS["avx512"].unavailable() is None:
+        return "avx512"
+    return "avx2"
+
+
+def kernel() -> _cbuild.CKernel:
+    return BUILDS[build_name()]
+
+
+def unavailable() -> str | None:
+    """None if the kernel runs here, else why not."""
+    return kernel().unavailable()
+
+
+def enabled() -> bool:
+    """Whether the engine should use it (it builds, and DECODELAB_CPU_KERNELS is not torch)."""
+    return kernel().enabled()
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -64,7 +89,7 @@ class DecodeTables:
         if b:
             quant = k_scale is not None
             bt, ldbt, lens = self._tables
-            KERNEL.lib.dl_paged_decode(
+            kernel().lib.dl_paged_decode(
                 q.data_ptr(), q.stride(0), b, h, k_cache.shape[2], d, k_cache.data_ptr(), v_cache.data_ptr(),
                 int(quant), k_scale.data_ptr() if quant else None, v_scale.data_ptr() if quant else None,
                 bt, ldbt, lens, k_cache.shape[1], scale, out.data_ptr())
@@ -95,5 +120,5 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     [N, Hkv, D] fp32, each token's Hkv x D values contiguous (a view of the fused projection is fine)."""
     n, hkv, d = k.shape
     if n:
-        KERNEL.lib.dl_store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), n, hkv * d, slots.data_ptr(),
+        kernel().lib.dl_store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), n, hkv * d, slots.data_ptr(),
                                k_cache.data_ptr(), v_cache.data_ptr())

@@ -46,7 +46,7 @@ KERNEL = _cbuild.CKernel("cpu_decoder", _declare)
 
 def unavailable() -> str | None:
     """None if this and the three libraries it calls run here, else why not."""
-    for kernel in (KERNEL, cpu_int8.kernel(), cpu_layer_ops.KERNEL, cpu_decode_attention.KERNEL):
+    for kernel in (KERNEL, cpu_int8.kernel(), cpu_layer_ops.KERNEL, cpu_decode_attention.kernel()):
         if (why := kernel.unavailable()) is not None:
             return why
     return None
@@ -60,8 +60,8 @@ def ops(int8: _cbuild.CKernel) -> Ops:
 
     return Ops(address(int8, "dl_int8_linear"), address(cpu_layer_ops.KERNEL, "dl_rms_norm"),
                address(cpu_layer_ops.KERNEL, "dl_rope"), address(cpu_layer_ops.KERNEL, "dl_silu_mul"),
-               address(cpu_decode_attention.KERNEL, "dl_store_kv"),
-               address(cpu_decode_attention.KERNEL, "dl_paged_decode"))
+               address(cpu_decode_attention.kernel(), "dl_store_kv"),
+               address(cpu_decode_attention.kernel(), "dl_paged_decode"))
 
 
 def matrix_ptrs(m: cpu_int8.Matrix) -> MatrixPtrs:

@@ -80,22 +80,10 @@ ROW_BYTES = {"cpu_int8": 16, "cpu_int8_avx512": 32, "cpu_int8_vnni": 32}
 ACTIVATION_MAX = {"cpu_int8": 32767, "cpu_int8_avx512": 32767, "cpu_int8_vnni": 32639}
 # packed in slabs of 16 outputs (`pack_wide`), not groups of 4; their blocks take every row (no `dl_int8_rows`)
 WIDE_SOURCES = {"cpu_int8_vnni"}
-CPU_ISAS = ("avx2", "avx512", "generic")  # DECODELAB_CPU_ISA's values; unset or empty: what the CPU has
-
-
-def cpu_isa() -> str:
-    """DECODELAB_CPU_ISA, checked ("" when unset): avx2 and generic narrow every choice; avx512 (or nothing) lets
-    the CPU decide, as it cannot add instructions the CPU lacks."""
-    chosen = os.environ.get("DECODELAB_CPU_ISA", "").lower()
-    if chosen and chosen not in CPU_ISAS:
-        raise ValueError(f"DECODELAB_CPU_ISA: expected one of {', '.join(CPU_ISAS)}, got {chosen!r}")
-    return chosen
-
-
 def default_isa() -> str:
     """The build a `Matrix` uses unless told: "avx512vnni" where it runs, else "avx512" where that does (while
     DECODELAB_CPU_ISA allows AVX-512), else "avx2"."""
-    if cpu_isa() not in ("avx2", "generic"):
+    if _cbuild.cpu_isa() not in ("avx2", "generic"):
         for name in ("avx512vnni", "avx512"):
             if KERNELS[name].unavailable() is None:
                 return name

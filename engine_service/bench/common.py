@@ -135,12 +135,14 @@ def cpu_info() -> dict:
         pass
     isa = ("avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "other") if flags else "unknown"
     extras = sorted(f for f in flags if f in ("avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16"))
-    from kernels import cpu_int8  # the int8 kernel's build this process runs (None: none of ours builds)
+    from kernels import cpu_decode_attention, cpu_int8  # the builds this process runs (None: none of ours builds)
 
     int8_isa = cpu_int8.default_isa() if cpu_int8.unavailable() is None else None
+    attention_isa = cpu_decode_attention.build_name() if cpu_decode_attention.unavailable() is None else None
     forced = {k: os.environ[k] for k in FALLBACK_SWITCHES if os.environ.get(k)}
     label = f"{model} ({os.cpu_count()} cores, {isa.upper()}{', ' + ', '.join(extras) if extras else ''})"
     if forced:
         label += " forced " + " ".join(f"{k}={v}" for k, v in forced.items())
     return {"model": model, "family": ids.get("cpu family"), "model_id": ids.get("model"), "cores": os.cpu_count(),
-            "isa": isa, "isa_extras": extras, "int8_isa": int8_isa, "forced": forced, "label": label}
+            "isa": isa, "isa_extras": extras, "int8_isa": int8_isa, "attention_isa": attention_isa, "forced": forced,
+            "label": label}

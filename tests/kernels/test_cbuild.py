@@ -4,7 +4,8 @@ import pytest
 from kernels import _cbuild, cpu_decode_attention, cpu_decoder, cpu_int8, cpu_layer_ops, cpu_logits
 
 KERNELS = {**{f"cpu_int8 {isa}": k for isa, k in cpu_int8.KERNELS.items()},
-           **{m.__name__: m.KERNEL for m in (cpu_decode_attention, cpu_layer_ops, cpu_logits, cpu_decoder)}}
+           **{f"cpu_decode_attention {isa}": k for isa, k in cpu_decode_attention.BUILDS.items()},
+           **{m.__name__: m.KERNEL for m in (cpu_layer_ops, cpu_logits, cpu_decoder)}}
 
 
 @pytest.mark.parametrize("name", KERNELS)

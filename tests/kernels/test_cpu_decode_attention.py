@@ -1,7 +1,7 @@
-"""kernels/cpu_decode_attention.c, our AVX2 paged decode attention, against plainly written float64 attention over
-the same paged cache: block sizes, head sizes and query groups off its grids, contexts across its 64-token chunks,
-an int8 cache against its dequantized values, a sequence alone or in any batch; and the engine's choice of path
-(its build's fall-back: test_cbuild.py)."""
+"""kernels/cpu_decode_attention.c, our paged decode attention (an AVX2 build and an AVX-512 one), against plainly
+written float64 attention over the same paged cache: block sizes, head sizes and query groups off its grids,
+contexts across its 64-token chunks, an int8 cache against its dequantized values, a sequence alone or in any batch;
+each build where the CPU runs it; and the engine's choice of build (their fall-back: test_cbuild.py)."""
 import pytest
 import torch
 from hypothesis import example, given, settings
@@ -13,6 +13,16 @@ from tests.kernels.kernel_testing import make_paged_cache, naive_attention
 
 pytestmark = pytest.mark.skipif(cpu_decode_attention.unavailable() is not None,
                                 reason=f"no avx2 decode attention here: {cpu_decode_attention.unavailable()}")
+
+
+@pytest.fixture(params=["avx512", "avx2"], autouse=True)
+def build(request, monkeypatch):
+    """Every test runs on each build this CPU runs: DECODELAB_CPU_ISA=avx2 narrows the default to the AVX2 one."""
+    if (why := cpu_decode_attention.BUILDS[request.param].unavailable()) is not None:
+        pytest.skip(f"no {request.param} decode attention here: {why}")
+    monkeypatch.setenv("DECODELAB_CPU_ISA", "avx2" if request.param == "avx2" else "")
+    assert cpu_decode_attention.build_name() == request.param
+    return request.param
 
 
 def reference(q, k_cache, v_cache, cache, scale) -> torch.Tensor:
@@ -89,3 +99,31 @@ def test_store_kv_writes_what_the_torch_store_writes():
     store_kvcache_torch(k, v, want_k, want_v, slots)
     cpu_decode_attention.store_kv(k, v, cache.k_cache, cache.v_cache, slots)
     assert torch.equal(cache.k_cache, want_k) and torch.equal(cache.v_cache, want_v)
+
+
+def test_the_build_follows_the_cpu_and_decodelab_cpu_isa(build, monkeypatch):
+    from kernels import _cbuild
+
+    monkeypatch.setenv("DECODELAB_CPU_ISA", "")
+    has_avx512 = "avx512f" in _cbuild.cpu_flags()
+    assert cpu_decode_attention.build_name() == ("avx512" if has_avx512 else "avx2")
+    assert (cpu_decode_attention.BUILDS["avx512"].unavailable() is None) == has_avx512
+    monkeypatch.setenv("DECODELAB_CPU_ISA", "avx2")
+    assert cpu_decode_attention.build_name() == "avx2" and cpu_decode_attention.kernel().flags == ()
+
+
+def test_the_two_builds_agree_to_rounding_and_each_is_deterministic():
+    """The 16-lane build sums scores as a tree and four heads' weighted V rows at once: other roundings than the
+    8-lane build's, the same attention (a wrong lane order in the tree would be off by whole scores)."""
+    if (why := cpu_decode_attention.BUILDS["avx512"].unavailable()) is not None:
+        pytest.skip(f"no avx512 decode attention here: {why}")
+    cache = make_paged_cache([300, 17, 64, 129], 16, 2, 128, seed=5)
+    q = torch.randn(4, 14, 128, generator=torch.Generator().manual_seed(5))  # 7 query heads a KV head: 4 + 3
+    args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, 128 ** -0.5)
+    outs = {}
+    for isa in ("", "avx2"):
+        with pytest.MonkeyPatch.context() as m:
+            m.setenv("DECODELAB_CPU_ISA", isa)
+            outs[isa] = cpu_decode_attention.paged_decode(*args)
+            assert torch.equal(outs[isa], cpu_decode_attention.paged_decode(*args))
+    torch.testing.assert_close(outs[""], outs["avx2"], rtol=1e-5, atol=1e-6)

@@ -32,7 +32,7 @@ from torch import nn
 
 from engine_service.engine.models.int8_linear import HeadWeight, Int8Weight, RowSplitWeight, quantized
 from engine_service.engine.utils import cdiv
-from kernels import cpu_int8
+from kernels import _cbuild
 
 _PACKABLE = (torch.float32, torch.bfloat16)  # fp16 packing needs AVX512-FP16 / AVX-NE-CONVERT
 
@@ -44,7 +44,7 @@ def packing_enabled(device: torch.device, dtype: torch.dtype) -> bool:
 
 def bf16_packing_unavailable() -> str | None:
     """None if oneDNN can run bf16 linears on this CPU, else why not (the instructions it lacks)."""
-    isa = cpu_int8.cpu_isa()
+    isa = _cbuild.cpu_isa()
     if isa in ("avx2", "generic"):
         return f"DECODELAB_CPU_ISA={isa}: treated as lacking avx512bw, avx512vl, avx512dq and avx_ne_convert"
     return _onednn_bf16_error()  # avx512 cannot add instructions the CPU lacks
