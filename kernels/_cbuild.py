@@ -2,11 +2,11 @@
 
 Each source is compiled with `$CC` (else `cc`), -O3 -mavx2 -mfma -mf16c -fopenmp (and a build's own flags: -mavx512f
 -mavx512bw for cpu_int8_avx512.c, and -mavx512vnni for cpu_int8_vnni.c; -mavx512f for cpu_decode_attention.c's
-AVX-512 build), into `$DECODELAB_CACHE_DIR/kernels` (default
-~/.cache/decodelab/kernels) under a name that carries a hash of the source, the headers beside it (cpu_*.h) and the
-flags, built aside and renamed (processes may race). `build()` says why not instead when the CPU lacks an
-instruction set the build needs (AVX2, FMA and F16C for all: every AVX2 CPU has the other two), there is no
-compiler, or the build fails; callers then run their PyTorch path (or a narrower build).
+AVX-512 build), into `$DECODELAB_CACHE_DIR/kernels` (default ~/.cache/decodelab/kernels) under a name that carries a
+hash of the source, the headers beside it (cpu_*.h) and the flags, built aside and renamed (processes may race).
+`build()` says why not instead when the CPU lacks an instruction set the build needs (AVX2, FMA and F16C for all:
+every AVX2 CPU has the other two), there is no compiler, or the build fails; callers then run their PyTorch path
+(or a narrower build).
 """
 from __future__ import annotations
 

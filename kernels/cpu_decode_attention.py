@@ -17,6 +17,7 @@ take the 8-lane code inside it) where the CPU has AVX-512 F and DECODELAB_CPU_IS
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -40,9 +41,12 @@ BUILDS = {"avx512": _cbuild.CKernel("cpu_decode_attention", _declare, ("-mavx512
 
 def build_name() -> str:
     """The build the engine uses: "avx512" where it runs and DECODELAB_CPU_ISA allows AVX-512, else "avx2"."""
-    if _cbuild.cpu_isa() not in ("avx2", "generic") and BUILDS["avx512"].unavailable() is None:
-        return "avx512"
-    return "avx2"
+    return _build_for(_cbuild.cpu_isa())
+
+
+@functools.cache  # (asked for every layer's call: the build check once per value of the switch)
+def _build_for(isa: str) -> str:
+    return "avx512" if isa not in ("avx2", "generic") and BUILDS["avx512"].unavailable() is None else "avx2"
 
 
 def kernel() -> _cbuild.CKernel:
@@ -77,6 +81,7 @@ class DecodeTables:
             self.block_tables = self.block_tables.contiguous()
         self.context_lens = context_lens.to(torch.int32).contiguous()
         self._tables = (self.block_tables.data_ptr(), self.block_tables.stride(0), self.context_lens.data_ptr())
+        self._lib = kernel().lib
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -89,7 +94,7 @@ class DecodeTables:
         if b:
             quant = k_scale is not None
             bt, ldbt, lens = self._tables
-            kernel().lib.dl_paged_decode(
+            self._lib.dl_paged_decode(
                 q.data_ptr(), q.stride(0), b, h, k_cache.shape[2], d, k_cache.data_ptr(), v_cache.data_ptr(),
                 int(quant), k_scale.data_ptr() if quant else None, v_scale.data_ptr() if quant else None,
                 bt, ldbt, lens, k_cache.shape[1], scale, out.data_ptr())

@@ -140,7 +140,7 @@ def batched_decode(llm, batch: int, context: int, steps: int = 8) -> dict:
     The batch runs twice and the second run is timed (its prompts hit the prefix cache, so it prefills in a few
     steps); `cold_step_ms` is the first run's median step. The first run is the first to write most of the KV
     blocks it uses, and the pool's memory is mapped on first touch (model_runner.lazy_zeros), a cost each page pays
-    once in a process's life: on the 2-core VM (AMD Zen 5) ~4.6 ms a 2 MiB huge page, 12-14 ms of each of the first
+    once in a process's life: on the 2-core VM (AMD Zen 5) ~4.6 ms a 2 MiB huge page, 13-30 ms of each of the first
     run's 128 x 256 steps as its sequences cross into new blocks."""
     engine = llm.engine
     cold, _ = _decode_steps(engine, batch, context, steps, "cold")
