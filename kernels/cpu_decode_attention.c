@@ -97,6 +97,25 @@ static inline __attribute__((always_inline)) void chunk_rows(
     }
 }
 
+/* Both tasks' first and last steps: the G query heads scaled, their accumulators, running maxima and sums reset;
+   then each head's output, its accumulator over its sum */
+static inline void begin_heads(const float* q, int64_t G, int64_t D, float scale, float (*qs)[MAX_D],
+                               float (*acc)[MAX_D], float* m, float* l) {
+    for (int64_t g = 0; g < G; g++) {
+        for (int64_t d = 0; d < D; d++) qs[g][d] = q[g * D + d] * scale;
+        memset(acc[g], 0, D * sizeof(float));
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+    }
+}
+
+static inline void end_heads(int64_t G, int64_t D, float (*acc)[MAX_D], const float* l, float* out) {
+    for (int64_t g = 0; g < G; g++) {
+        float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;  /* an empty context (never scheduled) gives zeros */
+        for (int64_t d = 0; d < D; d++) out[g * D + d] = acc[g][d] * inv;
+    }
+}
+
 static inline __attribute__((always_inline)) void task(
         const float* q, int64_t G, int64_t D, const void* kc, const void* vc, const float* ks, const float* vs,
         const int32_t* table, int64_t ctx, int64_t bs, int64_t hkv, int64_t h, float scale, float* out,
@@ -107,12 +126,7 @@ static inline __attribute__((always_inline)) void task(
     float fk[CHUNK], fv[CHUNK];  /* an int8 cache's scale of each token's row */
     int64_t row[CHUNK];
     float m[MAX_G], l[MAX_G];
-    for (int64_t g = 0; g < G; g++) {
-        for (int64_t d = 0; d < D; d++) qs[g][d] = q[g * D + d] * scale;
-        memset(acc[g], 0, D * sizeof(float));
-        m[g] = -INFINITY;
-        l[g] = 0.0f;
-    }
+    begin_heads(q, G, D, scale, qs, acc, m, l);
     prefetch_chunk(kc, vc, table, 0, ctx, bs, hkv, h, D, I8);
     for (int64_t c = 0; c < ctx; c += CHUNK) {
         int64_t n = ctx - c < CHUNK ? ctx - c : CHUNK, n8 = (n + 7) & ~7;
@@ -185,10 +199,7 @@ static inline __attribute__((always_inline)) void task(
             }
         }
     }
-    for (int64_t g = 0; g < G; g++) {
-        float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;  /* an empty context (never scheduled) gives zeros */
-        for (int64_t d = 0; d < D; d++) out[g * D + d] = acc[g][d] * inv;
-    }
+    end_heads(G, D, acc, l, out);
 }
 
 #if defined(__AVX512F__)
@@ -278,12 +289,7 @@ static inline __attribute__((always_inline)) void task16(
     float fks[2][CHUNK] __attribute__((aligned(64))), fvs[2][CHUNK] __attribute__((aligned(64)));
     int64_t rows[2][CHUNK];  /* this chunk's rows and the next one's */
     float m[MAX_G], l[MAX_G];
-    for (int64_t g = 0; g < G; g++) {
-        for (int64_t d = 0; d < D; d++) qs[g][d] = q[g * D + d] * scale;
-        memset(acc[g], 0, D * sizeof(float));
-        m[g] = -INFINITY;
-        l[g] = 0.0f;
-    }
+    begin_heads(q, G, D, scale, qs, acc, m, l);
     chunk_rows(table, 0, ctx, bs, hkv, h, D, kc, vc, ks, vs, rows[0], fks[0], fvs[0], 0, I8);
     for (int64_t c = 0, i = 0; c < ctx; c += CHUNK, i ^= 1) {
         int64_t n = ctx - c < CHUNK ? ctx - c : CHUNK, n16 = (n + 15) & ~15;
@@ -331,10 +337,7 @@ static inline __attribute__((always_inline)) void task16(
             for (; d < D; d += 16) weighted_v_heads(acc, p, g0, gt, d, 1, vc, row, n, I8);
         }
     }
-    for (int64_t g = 0; g < G; g++) {
-        float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;  /* an empty context (never scheduled) gives zeros */
-        for (int64_t d = 0; d < D; d++) out[g * D + d] = acc[g][d] * inv;
-    }
+    end_heads(G, D, acc, l, out);
 }
 #endif
 
