@@ -1,6 +1,7 @@
 /* What the builds of the grouped int8 matmul share (cpu_int8.c, AVX2; cpu_int8_avx512.c, AVX-512; cpu_int8_vnni.c,
-   AVX512-VNNI): the activations' int16 quantization (AVX2, which every AVX-512 CPU has), the offsets' term and the
-   final lane sums. kernels/_cbuild.py hashes this header with each source. */
+   AVX512-VNNI): the activations' int16 quantization (AVX2, which every AVX-512 CPU has), the split of the outputs
+   between threads, and the AVX-512 build's offsets' term and lane sums. kernels/_cbuild.py hashes this header with
+   each source. */
 #pragma once
 #include <immintrin.h>
 #include <math.h>
@@ -101,8 +102,8 @@ static inline void store(float s[4][4], int64_t r, int64_t nb, const float* xs, 
 }
 
 /* every row of xq (M rows, Kp apart; steps xs, group sums xsum) times one group of 4 packed output rows g (nb <= 4
-   of them real; the VNNI build: a slab of 16, nb <= 16), written to y (ldy apart by row) with the bias: each build's
-   own blocks */
+   of them real; the VNNI and AVX2 builds: a slab of 16, nb <= 16), written to y (ldy apart by row) with the bias:
+   each build's own blocks */
 typedef void (*group_fn)(const int16_t* xq, const float* xsum, const float* xs, int64_t M, int64_t Kp, int64_t Gp,
                          const uint8_t* g, const char* d, const char* m, int64_t ahead, const float* bias, float* y,
                          int64_t ldy, int64_t nb, int fmt);
@@ -114,14 +115,15 @@ typedef int (*prepare_fn)(int16_t* xq, int64_t M, int64_t Kp);
 /* wp: u packed, (N + 3) / 4 groups of 4 * Kp bytes (FMT_NIBBLES: 4-bit codes, 2 * Kp bytes), Kp = K rounded up to
    32, laid out as the build's blocks read them (kernels/cpu_int8.py `pack`, `pack4`); dp: the steps,
    [(N + 3) / 4][Kp / 32][4]; mp: the offsets, [(N + 3) / 4 * 4][Gp], Gp = Kp / 32 rounded up to 8 (zeros past it);
-   both fp32, or fp16 with FMT_HALF (kernels/cpu_int8.py `Matrix`). With width 16 (the VNNI build) the same in
+   both fp32, or fp16 with FMT_HALF (kernels/cpu_int8.py `Matrix`). With width 16 (the VNNI and AVX2 builds) the same in
    slabs of 16 outputs: (N + 15) / 16 of 16 * Kp bytes (4-bit: 8 * Kp), steps [(N + 15) / 16][Kp / 32][16], offsets
    [(N + 15) / 16][Gp][16] (`pack_wide`, `pack_wide_scales`). `group` gets each `width` outputs in turn, OpenMP
    splitting them between threads. Returns 0, or -1 when the int16 copy of x could not be allocated. xmax and
-   prepare: the build's activation grid and its pass over the quantized rows. */
+   prepare: the build's activation grid and its pass over the quantized rows. reread: the row count from which the
+   build's blocks read a group more than once (0: never). */
 static int int8_linear(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* wp, const void* dp,
                        const void* mp, const float* bias, float* y, int64_t N, int fmt, group_fn group,
-                       float xmax, prepare_fn prepare, int64_t width) {
+                       float xmax, prepare_fn prepare, int64_t width, int64_t reread) {
     int64_t Kp = (K + 31) / 32 * 32, Gp = (Kp / 32 + 7) / 8 * 8;
     /* 64-byte aligned (rows are 32 * Kp / 16 bytes long): an activation load never straddles two cache lines, which
        cost ~15% at 4 rows with malloc's 16-byte alignment */
@@ -131,11 +133,11 @@ static int int8_linear(const float* x, int64_t ldx, int64_t M, int64_t K, const 
     float* xsum = xs + M;
     quantize_rows(x, ldx, M, K, Kp, Gp, xq, xs, xsum, xmax);
     if (prepare && prepare(xq, M, Kp)) { free(xq); free(xs); return -1; }
-    /* with 3+ rows the AVX2 build reads a group twice: prefetch the next group (at least 1 KiB on) so the memory
-       stream goes on during the second pass; 1-2 rows read it once, 1 KiB ahead (the AVX-512 build reads every
-       group once and keeps the same distances) */
+    /* where the blocks read a group more than once (from `reread` rows): prefetch the next group (at least 1 KiB
+       on) so the memory stream goes on during the later passes (the AVX2 build's slab at 8 rows: ~0.95x the time
+       of 1 KiB ahead, AMD Zen 5); else 1 KiB ahead */
     int64_t group_bytes = (fmt & FMT_NIBBLES ? Kp / 2 : Kp) * width, groups = (N + width - 1) / width;
-    int64_t ahead = width == 4 && M > 2 && group_bytes > 1024 ? group_bytes : 1024, esz = fmt & FMT_HALF ? 2 : 4;
+    int64_t ahead = reread && M >= reread && group_bytes > 1024 ? group_bytes : 1024, esz = fmt & FMT_HALF ? 2 : 4;
     #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < groups; t++) {
         int64_t n0 = t * width, nb = N - n0 < width ? N - n0 : width;
@@ -174,10 +176,37 @@ static int int8_linear(const float* x, int64_t ldx, int64_t M, int64_t K, const 
         } \
     }
 
+/* The slab builds' (VNNI, AVX2) `block`, R rows of xq times one packed slab of 16 outputs stored to y with the bias (a
+   BLOCK(const int R, x, xsum, xs, Kp, Gp, g, d, m, ahead, bias, y, ldy, nb, const int nib, const int half)),
+   compiled for a row count and each format (`FMT_*`) as block_R_fmt; `slab` runs every row of xq through one slab
+   (nb of its outputs real), in even chunks of at most max_rows rows, by_fmt[fmt][rows] each. */
+typedef void (*slab_block_fn)(const int16_t*, const float*, const float*, int64_t, int64_t, const uint8_t*,
+                              const char*, const char*, int64_t, const float*, float*, int64_t, int64_t);
+#define SLAB_FORMAT(block, R, fmt) \
+    static void block##_##R##_##fmt(const int16_t* x, const float* xsum, const float* xs, int64_t Kp, int64_t Gp, \
+                                    const uint8_t* g, const char* d, const char* m, int64_t ahead, \
+                                    const float* bias, float* y, int64_t ldy, int64_t nb) { \
+        block(R, x, xsum, xs, Kp, Gp, g, d, m, ahead, bias, y, ldy, nb, (fmt) & FMT_NIBBLES, \
+              ((fmt) & FMT_HALF) != 0); }
+#define SLAB_ROWS(block, R) SLAB_FORMAT(block, R, 0) SLAB_FORMAT(block, R, 1) SLAB_FORMAT(block, R, 2) \
+    SLAB_FORMAT(block, R, 3)
+#define SLAB(by_fmt, max_rows) \
+    static void slab(const int16_t* xq, const float* xsum, const float* xs, int64_t M, int64_t Kp, int64_t Gp, \
+                     const uint8_t* g, const char* d, const char* m, int64_t ahead, const float* bias, float* y, \
+                     int64_t ldy, int64_t nb, int fmt) { \
+        int64_t chunks = (M + (max_rows) - 1) / (max_rows), i0 = 0; \
+        for (int64_t c = 0; c < chunks; c++) { \
+            int64_t r = chunk_rows(M, i0, chunks, c); \
+            by_fmt[fmt][r](xq + i0 * Kp, xsum + i0 * Gp, xs + i0, Kp, Gp, g, d, m, ahead, bias, y + i0 * ldy, ldy, \
+                           nb); \
+            i0 += r; \
+        } \
+    }
+
 /* the library's one function, `dl_int8_linear` (int8_linear's arguments), over a build's own `group`, activation
-   grid, preparation and width (outputs a `group` call: 4, or 16) */
-#define DL_INT8_LINEAR(group, xmax, prepare, width) \
+   grid, preparation, width (outputs a `group` call: 4, or 16) and `reread` rows */
+#define DL_INT8_LINEAR(group, xmax, prepare, width, reread) \
     int dl_int8_linear(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* wp, const void* dp, \
                        const void* mp, const float* bias, float* y, int64_t N, int fmt) { \
-        return int8_linear(x, ldx, M, K, wp, dp, mp, bias, y, N, fmt, group, xmax, prepare, width); \
+        return int8_linear(x, ldx, M, K, wp, dp, mp, bias, y, N, fmt, group, xmax, prepare, width, reread); \
     }

@@ -27,13 +27,13 @@ call; the weights are packed at load time (`pack`) so that each group of 4 outpu
 Which build runs (`default_isa()`): the VNNI one where the CPU has avx512f, avx512bw and avx512_vnni and it builds,
 else the AVX-512 one where it has the first two, else the AVX2 one; DECODELAB_CPU_ISA=avx2 forces the AVX2 build on
 any CPU (int8_linear's DECODELAB_INT8_KERNEL=avx512 or =avx512vnni insists on one of the others). Each packs its
-weights for its own blocks (`pack`'s `row_bytes`; the VNNI build `pack_wide`, slabs of 16 outputs, one a lane), so a
-`Matrix` belongs to one build.
-The AVX2 and AVX-512 builds also carry a many-rows matmul over the same packed weights (`cpu_int8_rows.h`,
-`Matrix.rows`: rows in a register's lanes, 16 or 8; from 64 rows on ~1.4-1.8x faster than their decode blocks on
-AVX-512, ~1.1-1.2x on AVX2; the engine runs a step's prompt rows through it, engine_service/engine/models/int8_linear.py
-`Int8Weight`); DECODELAB_INT8_ROWS=0 turns it off. The VNNI build has none: its decode blocks (16 outputs in a
-register's lanes, up to 16 rows a block) are as fast from 64 rows to 512 and faster below.
+weights for its own blocks (the VNNI and AVX2 builds `pack_wide`, slabs of 16 outputs, one a lane, 4 or 2 k a lane;
+the AVX-512 build `pack`, groups of 4 outputs), so a `Matrix` belongs to one build.
+The AVX-512 build also carries a many-rows matmul over the same packed weights (`cpu_int8_rows.h`, `Matrix.rows`:
+16 rows in a zmm's lanes; from 64 rows on ~1.4-1.8x faster than its decode blocks; the engine runs a step's prompt
+rows through it, engine_service/engine/models/int8_linear.py `Int8Weight`); DECODELAB_INT8_ROWS=0 turns it off. The
+VNNI and AVX2 builds have none: their decode blocks (outputs in a register's lanes) are as fast from 64 rows to 512
+and faster below (the AVX2 build carried one until session 33).
 "avx512-simde" and "avx512vnni-simde" are the AVX-512 sources compiled against SIMDe's portable intrinsics (Debian's
 libsimde-dev): how the tests check those builds' logic on a CPU without the instructions (16-40x slower than the
 AVX2 build on Zen 3; never chosen by `default_isa()`).
@@ -70,16 +70,16 @@ KERNELS = {
     "avx512vnni": _cbuild.CKernel("cpu_int8_vnni", _declare_linear, ("-mavx512f", "-mavx512bw", "-mavx512vnni"),
                                   ("avx512f", "avx512bw", "avx512_vnni")),
     "avx512": _cbuild.CKernel("cpu_int8_avx512", _declare, ("-mavx512f", "-mavx512bw"), ("avx512f", "avx512bw")),
-    "avx2": _cbuild.CKernel("cpu_int8", _declare),
+    "avx2": _cbuild.CKernel("cpu_int8", _declare_linear),
     "avx512-simde": _cbuild.CKernel("cpu_int8_avx512", _declare, ("-DDL_SIMDE", "-Wno-psabi")),
     "avx512vnni-simde": _cbuild.CKernel("cpu_int8_vnni", _declare_linear, ("-DDL_SIMDE", "-Wno-psabi")),
 }
-# By source (a build's and its SIMDe twin's): a row's bytes of 8-bit codes per piece (`pack`), and the int16 code
-# of a row's largest |x| (its grid: max |x| / this; the VNNI build splits codes into two int8s).
-ROW_BYTES = {"cpu_int8": 16, "cpu_int8_avx512": 32, "cpu_int8_vnni": 32}
+# By source (a build's and its SIMDe twin's): the int16 code of a row's largest |x| (its grid: max |x| / this; the
+# VNNI build splits codes into two int8s).
 ACTIVATION_MAX = {"cpu_int8": 32767, "cpu_int8_avx512": 32767, "cpu_int8_vnni": 32639}
-# packed in slabs of 16 outputs (`pack_wide`), not groups of 4; their blocks take every row (no `dl_int8_rows`)
-WIDE_SOURCES = {"cpu_int8_vnni"}
+# packed in slabs of 16 outputs (`pack_wide`), not groups of 4: the neighbouring k a lane holds (vpdpbusd's 4 bytes,
+# vpmaddwd's 2 int16); their blocks take every row (no `dl_int8_rows`)
+WIDE_LANE = {"cpu_int8_vnni": 4, "cpu_int8": 2}
 def default_isa() -> str:
     """The build a `Matrix` uses unless told: "avx512vnni" where it runs, else "avx512" where that does (while
     DECODELAB_CPU_ISA allows AVX-512), else "avx2"."""
@@ -155,15 +155,14 @@ def quantize(weight: torch.Tensor) -> GroupedInt8:
     return GroupedInt8(u.view(n, g * GROUP).to(torch.uint8), d, lo, k)
 
 
-def pack(u: torch.Tensor, row_bytes: int = 16) -> torch.Tensor:
-    """u [N, Kp] (Kp a multiple of GROUP) in a kernel's layout: groups of 4 output rows (N padded with zero rows
-    to a multiple of 4), each group's rows interleaved in pieces of `row_bytes` (16 for the AVX2 build's 16-wide
-    k-steps, 32 for the AVX-512 one's whole groups), so a group is one sequential stream:
-    [ceil(N / 4), Kp / row_bytes, 4, row_bytes]."""
+def pack(u: torch.Tensor) -> torch.Tensor:
+    """u [N, Kp] (Kp a multiple of GROUP) in the AVX-512 build's layout: groups of 4 output rows (N padded with zero
+    rows to a multiple of 4), each weight group's 4 rows of 32 codes side by side, so a group of outputs is one
+    sequential stream: [ceil(N / 4), Kp / 32, 4, 32]."""
     n, kp = u.shape
-    assert kp % GROUP == 0 and GROUP % row_bytes == 0, (kp, row_bytes)
+    assert kp % GROUP == 0, kp
     padded = torch.nn.functional.pad(u, (0, 0, 0, -n % 4))
-    return padded.view(padded.shape[0] // 4, 4, kp // row_bytes, row_bytes).transpose(1, 2).contiguous()
+    return padded.view(padded.shape[0] // 4, 4, kp // GROUP, GROUP).transpose(1, 2).contiguous()
 
 
 def four_bit(u: torch.Tensor) -> bool:
@@ -204,19 +203,20 @@ def pack_offsets(m: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.T
     return torch.nn.functional.pad(m.float(), (0, -m.shape[1] % 8, 0, -m.shape[0] % 4)).to(dtype).contiguous()
 
 
-WIDE = 16  # the VNNI build's slab: outputs a zmm holds, one a lane (`pack_wide`)
+WIDE = 16  # the VNNI and AVX2 builds' slab: outputs a zmm holds (AVX2: two ymm), one a lane (`pack_wide`)
 
 
-def pack_wide(u: torch.Tensor, nibbles: bool) -> torch.Tensor:
-    """Codes u [N, Kp] (8-bit, or 4-bit ones < 16 with `nibbles`) in the VNNI build's layout: slabs of 16 output
-    rows (N padded with zero rows to a multiple of 16), each weight group's codes as 8 (4-bit: 4) pieces of 64
-    bytes, piece q holding each of the 16 rows' 4 bytes at k 4q .. 4q + 3 (4-bit: `pack4`'s bytes 4q .. 4q + 3, so
-    low nibbles k 4q.., high ones k 16 + 4q..): [ceil(N / 16), Kp / 32, 8 or 4, 16, 4]. The same bytes as `pack`
-    or `pack4`, another order: a zmm of a piece multiplies 16 outputs at once."""
+def pack_wide(u: torch.Tensor, nibbles: bool, lane: int = 4) -> torch.Tensor:
+    """Codes u [N, Kp] (8-bit, or 4-bit ones < 16 with `nibbles`) in the VNNI (lane=4) or AVX2 (lane=2) build's
+    layout: slabs of 16 output rows (N padded with zero rows to a multiple of 16), each weight group's codes as
+    32 / lane (4-bit: 16 / lane) pieces, piece q holding each of the 16 rows' `lane` bytes at k lane q ..
+    lane (q + 1) - 1 (4-bit: `pack4`'s bytes there, so low nibbles k lane q.., high ones k 16 + lane q..):
+    [ceil(N / 16), Kp / 32, 32 / lane or 16 / lane, 16, lane]. The same bytes as `pack` or `pack4`, another order:
+    a register of a piece multiplies 16 outputs (AVX2: 8, from its two halves) at once."""
     rows = _nibble_bytes(u) if nibbles else u.view(u.shape[0], -1, GROUP)  # [N, G, 16 or 32]
     padded = torch.nn.functional.pad(rows, (0, 0, 0, 0, 0, -u.shape[0] % WIDE))
     s, g, b = padded.shape[0] // WIDE, padded.shape[1], padded.shape[2]
-    return padded.view(s, WIDE, g, b // 4, 4).permute(0, 2, 3, 1, 4).contiguous()
+    return padded.view(s, WIDE, g, b // lane, lane).permute(0, 2, 3, 1, 4).contiguous()
 
 
 def pack_wide_scales(d: torch.Tensor, dtype: torch.dtype = torch.float32, groups: int | None = None) -> torch.Tensor:
@@ -271,12 +271,12 @@ class Matrix:
         # fp16 steps and offsets where that rounds none of them (a GGUF's): 4 bytes fewer per 32 weights
         self.half = half_scales_enabled() and fp16_exact(steps) and fp16_exact(w.m)
         dtype = torch.float16 if self.half else torch.float32
-        if self.kernel.name in WIDE_SOURCES:
-            self.packed = pack_wide(codes, self.nibbles)
+        if self.kernel.name in WIDE_LANE:
+            self.packed = pack_wide(codes, self.nibbles, WIDE_LANE[self.kernel.name])
             self.steps = pack_wide_scales(steps, dtype)
             self.offsets = pack_wide_scales(w.m, dtype, -(-w.m.shape[1] // 8) * 8)
         else:
-            self.packed = pack4(codes) if self.nibbles else pack(codes, ROW_BYTES[self.kernel.name])
+            self.packed = pack4(codes) if self.nibbles else pack(codes)
             self.steps, self.offsets = pack_steps(steps, dtype), pack_offsets(w.m, dtype)
         self.fmt = FMT_NIBBLES * self.nibbles | FMT_HALF * self.half
         self.bias = None if bias is None else bias.contiguous()
@@ -284,17 +284,17 @@ class Matrix:
         self._ptrs = (self.packed.data_ptr(), self.steps.data_ptr(), self.offsets.data_ptr(),
                       None if bias is None else self.bias.data_ptr(), self.fmt)
         # the many-rows matmul (cpu_int8_rows.h) where the build has one, unless DECODELAB_INT8_ROWS=0
-        self.has_rows = rows_enabled() and self.kernel.name not in WIDE_SOURCES
+        self.has_rows = rows_enabled() and self.kernel.name not in WIDE_LANE
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] fp32 on the CPU -> [M, N] fp32."""
         return self._run(self.kernel.lib.dl_int8_linear, x)
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
-        """The same product through the many-rows matmul (`has_rows`; else as `m(x)`, as always on the VNNI build): a
-        register's rows' work (16, AVX2 8) for every panel, full or not; from 64 rows on ~1.4-1.8x faster than
-        `m(x)` on the AVX-512 build, ~1.1-1.2x on the AVX2 one (AMD Zen 5, docs/kernels.md); each row's bits
-        independent of the others, though not `m(x)`'s."""
+        """The same product through the many-rows matmul (`has_rows`; else as `m(x)`, as always on the VNNI and AVX2
+        builds): a register's rows' work (16) for every panel, full or not; from 64 rows on ~1.4-1.8x faster than
+        `m(x)` on the AVX-512 build (AMD Zen 5, docs/kernels.md); each row's bits independent of the others, though
+        not `m(x)`'s."""
         return self._run(self.kernel.lib.dl_int8_rows if self.has_rows else self.kernel.lib.dl_int8_linear, x)
 
     def _run(self, fn, x: torch.Tensor) -> torch.Tensor:

@@ -5,8 +5,8 @@
 
    A zmm register holds a whole group of 32 activations as int16, so per group and output one vpmaddwd of 32 pairs
    gives 16 int32 lanes (at most 2 * 32767 * 255 each), one conversion and one FMA times the group's step fold them
-   into 16 fp32 lanes: 3 instructions per group, row and output where the AVX2 build needs 5 (two 16-wide k-steps
-   and their sum). VNNI's vpdpwssd would fuse that multiply with an add into int32 accumulators, but nothing here
+   into 16 fp32 lanes: 3 instructions per group, row and output where the AVX2 build's blocks before session 33
+   needed 5 (two 16-wide k-steps and their sum). VNNI's vpdpwssd would fuse that multiply with an add into int32 accumulators, but nothing here
    accumulates in int32 across groups (each group has its own fp32 step), so it would be this vpmaddwd with a zero
    addend; vpdpbusd multiplies 8-bit activations, which cpu_int8_vnni.c gets around by splitting each int16 code
    into two bytes. The 32 zmm registers hold
@@ -14,7 +14,7 @@
    On an AMD Zen 5 (2 threads, SmolLM2's 120 decode matrices) it takes 0.98x the AVX2 build's time at 1 row (both
    bound by memory), 0.85x at 8 and 0.81x at 64.
 
-   The weights come packed by kernels/cpu_int8.py `pack(u, row_bytes=32)`: groups of 4 output rows, each row's 32
+   The weights come packed by kernels/cpu_int8.py `pack(u)`: groups of 4 output rows, each row's 32
    codes of a weight group side by side ([ceil(N / 4), Kp / 32, 4, 32], 128 bytes a k-group as in the AVX2 layout);
    4-bit codes in `pack4`'s layout, which both builds share (16 bytes a row: low nibbles k 0-15, high k 16-31).
    Everything else (activation quantization, offsets, the lane sums' fixed order, OpenMP over groups) is
@@ -79,8 +79,9 @@ BLOCK block(const int R, const int16_t* x, const float* xsum, int64_t Kp, int64_
 /* each row count compiled for each format, and `group` over them (cpu_int8.h) */
 BLOCKS_AND_GROUP(block)
 
-DL_INT8_LINEAR(group, 32767.0f, 0, 4)
+/* reread 3: from 3 rows a group is prefetched a group ahead, the distance the AVX2 build's groups of 4 took before
+   session 33 (they read a group twice from 3 rows); this build reads it once for up to 4 rows and was timed so */
+DL_INT8_LINEAR(group, 32767.0f, 0, 4, 3)
 
 /* the many-rows matmul (prompt tokens): 16 rows a zmm, vpmaddwd + vpaddd */
-#define DL_ROWS_512
 #include "cpu_int8_rows.h"

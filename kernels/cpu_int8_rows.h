@@ -1,17 +1,17 @@
 /* Our int8 kernel's second matmul, for many rows at once (a prompt's): `dl_int8_rows`, the arguments and the
    weights of `dl_int8_linear` (cpu_int8.h: the same packed codes, steps and offsets, 8-bit or 4-bit; int16
-   activations on the 32767 grid; exact integer group sums), laid out the other way round. The AVX2 and AVX-512
-   builds include it (cpu_int8.c, cpu_int8_avx512.c); the VNNI build did until session 31, when its own blocks of up
-   to 16 rows (outputs in the lanes) came to run as fast from 64 rows to 512, so it has none.
+   activations on the 32767 grid; exact integer group sums), laid out the other way round. The AVX-512 build
+   includes it (cpu_int8_avx512.c); the VNNI build did until session 31 and the AVX2 one (8 rows a ymm) until
+   session 33, when their own blocks (outputs in the lanes) came to run as fast from 64 rows to 512, so they have
+   none.
 
    The blocks of `dl_int8_linear` hold one (row, output) pair's products of a group in the lanes of a register, so
    every group of every pair ends with a conversion, an FMA and (at the end) a lane sum: about 4-5 instructions per
-   32 products, whichever row count. Here a register's lanes are rows (16 in a zmm, 8 in the AVX2 build's ymm):
+   32 products, whichever row count. Here a register's lanes are rows (16 in a zmm):
    each row's codes are transposed into dwords of two neighbouring k (`panels`), a weight's two codes at the same k
    are broadcast as one dword, and one vpmaddwd and one vpaddd add LANES rows x 2 products into LANES int32 sums,
    for as many k as a group has: 16 of them per group, LANES rows and output, then one conversion and one FMA by
-   the group's step. A block is 2 x LANES rows x ROWS_OUT outputs (16 or 8 int32
-   accumulators), its weights widened to int16 once per call into a thread's buffer (L1-sized for K up to ~1500).
+   the group's step. A block is 2 x LANES rows x ROWS_OUT outputs (16 int32 accumulators), its weights widened to int16 once per call into a thread's buffer (L1-sized for K up to ~1500).
    Measured on an AMD Zen 5 (docs/kernels.md).
 
    Each row goes through the same operations in its lane whatever its block or batch, so a row gives the same bits
@@ -25,11 +25,9 @@
 #include <string.h>
 #include "cpu_int8.h"
 
-/* The register: 16 lanes (zmm) in the AVX-512 build, which defines DL_ROWS_512 before including this, 8 (ymm) in the
-   AVX2 one (cpu_int8.c); ROWS_OUT outputs a block (two packed groups of 4, or one). DOT2 adds x . w (each lane's two
+/* The register: 16 lanes (zmm); ROWS_OUT outputs a block (two packed groups of 4). DOT2 adds x . w (each lane's two
    int16 products) into acc, in place, in assembly: through the intrinsics GCC 12 adds into a copy of each
    accumulator and moves it back, or spills them. */
-#ifdef DL_ROWS_512
 #define LANES 16
 #define ROWS_OUT 8
 typedef __m512i vint;
@@ -49,27 +47,8 @@ typedef __m512 vflt;
 #define DOT2(acc, x, w) do { __m512i t_; \
     __asm__("vpmaddwd %3, %2, %1\n\tvpaddd %1, %0, %0" : "+v"(acc), "=&v"(t_) : "v"(x), "v"(w)); } while (0)
 #endif
-/* output r of a packed group, weight group j: its two 16-byte pieces (pack(u, 32): 32 bytes in one piece) */
+/* output r of a packed group, weight group j: its two 16-byte pieces (pack(u): 32 bytes in one piece) */
 #define PIECE(j, r, h) ((j) * 128 + (r) * 32 + (h) * 16)
-#else
-#define LANES 8
-#define ROWS_OUT 4
-typedef __m256i vint;
-typedef __m256 vflt;
-#define VLOADI(p) _mm256_loadu_si256((const __m256i*)(p))
-#define VSET1I(v) _mm256_set1_epi32(v)
-#define VZEROI() _mm256_setzero_si256()
-#define VZEROF() _mm256_setzero_ps()
-#define VLOADF(p) _mm256_loadu_ps(p)
-#define VSTOREF(p, v) _mm256_storeu_ps(p, v)
-#define VSET1F(v) _mm256_set1_ps(v)
-#define VFMADD(a, b, c) _mm256_fmadd_ps(a, b, c)
-#define VCVT(v) _mm256_cvtepi32_ps(v)
-#define DOT2(acc, x, w) do { __m256i t_; \
-    __asm__("vpmaddwd %3, %2, %1\n\tvpaddd %1, %0, %0" : "+x"(acc), "=&x"(t_) : "x"(x), "x"(w)); } while (0)
-/* pack(u, 16): the group's two 16-wide k-steps 64 bytes apart, 16 bytes a row each */
-#define PIECE(j, r, h) ((j) * 128 + (h) * 64 + (r) * 16)
-#endif
 
 /* x's M rows quantized (cpu_int8.h `quantize_rows`: steps xs, group sums xsum) and laid out as panels of LANES
    rows: panel b, dword p, lane l = row LANES b + l's int16 codes at k = 2p and 2p + 1 (zeros past M); the group sums
@@ -102,7 +81,7 @@ static int panels(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t Kp,
 
 /* outputs n0 on (ROWS_OUT, nb of them real) widened to int16, as dwords wb[p][o] = output o's codes at k = 2p and
    2p + 1, and their steps db[o][j] and offsets mb[o][j] as fp32 (zeros past nb), from the build's packed layout
-   (cpu_int8.h `int8_linear`: pack(u, 16 or 32), or pack4) */
+   (cpu_int8.h `int8_linear`: pack(u), or pack4) */
 static void widen(const uint8_t* wp, const char* dp, const char* mp, int64_t n0, int64_t nb, int64_t Kp,
                   int64_t Gp, int fmt, int32_t* wb, float* db, float* mb) {
     const int nib = fmt & FMT_NIBBLES, half = (fmt & FMT_HALF) != 0;

@@ -116,38 +116,18 @@ BLOCK wide(const int R, const int16_t* x, const float* xsum, const float* xs, in
     }
 }
 
-/* `wide` compiled for each row count (1 to WIDE_ROWS) and each format (cpu_int8.h `FMT_*`) */
-typedef void (*wide_fn)(const int16_t*, const float*, const float*, int64_t, int64_t, const uint8_t*, const char*,
-                        const char*, int64_t, const float*, float*, int64_t, int64_t);
-#define WIDE_FORMAT(R, fmt) \
-    static void wide_##R##_##fmt(const int16_t* x, const float* xsum, const float* xs, int64_t Kp, int64_t Gp, \
-                                 const uint8_t* g, const char* d, const char* m, int64_t ahead, const float* bias, \
-                                 float* y, int64_t ldy, int64_t nb) { \
-        wide(R, x, xsum, xs, Kp, Gp, g, d, m, ahead, bias, y, ldy, nb, (fmt) & FMT_NIBBLES, \
-             ((fmt) & FMT_HALF) != 0); }
-#define WIDE_ROWS_FMT(R) WIDE_FORMAT(R, 0) WIDE_FORMAT(R, 1) WIDE_FORMAT(R, 2) WIDE_FORMAT(R, 3)
-WIDE_ROWS_FMT(1) WIDE_ROWS_FMT(2) WIDE_ROWS_FMT(3) WIDE_ROWS_FMT(4) WIDE_ROWS_FMT(5) WIDE_ROWS_FMT(6)
-WIDE_ROWS_FMT(7) WIDE_ROWS_FMT(8) WIDE_ROWS_FMT(9) WIDE_ROWS_FMT(10) WIDE_ROWS_FMT(11) WIDE_ROWS_FMT(12)
-WIDE_ROWS_FMT(13) WIDE_ROWS_FMT(14) WIDE_ROWS_FMT(15) WIDE_ROWS_FMT(16)
+/* `wide` compiled for each row count (1 to WIDE_ROWS) and each format, and `slab` over them (cpu_int8.h) */
+SLAB_ROWS(wide, 1) SLAB_ROWS(wide, 2) SLAB_ROWS(wide, 3) SLAB_ROWS(wide, 4) SLAB_ROWS(wide, 5) SLAB_ROWS(wide, 6)
+SLAB_ROWS(wide, 7) SLAB_ROWS(wide, 8) SLAB_ROWS(wide, 9) SLAB_ROWS(wide, 10) SLAB_ROWS(wide, 11) SLAB_ROWS(wide, 12)
+SLAB_ROWS(wide, 13) SLAB_ROWS(wide, 14) SLAB_ROWS(wide, 15) SLAB_ROWS(wide, 16)
 #define WIDE_BY_ROWS(f) {0, wide_1_##f, wide_2_##f, wide_3_##f, wide_4_##f, wide_5_##f, wide_6_##f, wide_7_##f, \
                          wide_8_##f, wide_9_##f, wide_10_##f, wide_11_##f, wide_12_##f, wide_13_##f, wide_14_##f, \
                          wide_15_##f, wide_16_##f}
+static const slab_block_fn by_fmt[4][WIDE_ROWS + 1] = {WIDE_BY_ROWS(0), WIDE_BY_ROWS(1), WIDE_BY_ROWS(2),
+                                                       WIDE_BY_ROWS(3)};
+SLAB(by_fmt, WIDE_ROWS)  /* every row of xq times one slab, in even chunks of at most WIDE_ROWS rows */
 
-/* every row of xq times one slab of 16 outputs (nb of them real), in even chunks of at most WIDE_ROWS rows */
-static void slab(const int16_t* xq, const float* xsum, const float* xs, int64_t M, int64_t Kp, int64_t Gp,
-                 const uint8_t* g, const char* d, const char* m, int64_t ahead, const float* bias, float* y,
-                 int64_t ldy, int64_t nb, int fmt) {
-    static const wide_fn by_fmt[4][WIDE_ROWS + 1] = {WIDE_BY_ROWS(0), WIDE_BY_ROWS(1), WIDE_BY_ROWS(2),
-                                                     WIDE_BY_ROWS(3)};
-    int64_t chunks = (M + WIDE_ROWS - 1) / WIDE_ROWS, i0 = 0;
-    for (int64_t c = 0; c < chunks; c++) {
-        int64_t r = chunk_rows(M, i0, chunks, c);
-        by_fmt[fmt][r](xq + i0 * Kp, xsum + i0 * Gp, xs + i0, Kp, Gp, g, d, m, ahead, bias, y + i0 * ldy, ldy, nb);
-        i0 += r;
-    }
-}
-
-DL_INT8_LINEAR(slab, XMAX, split_rows, 16)
+DL_INT8_LINEAR(slab, XMAX, split_rows, 16, 0)
 
 /* No many-rows matmul here (cpu_int8_rows.h, which the other builds carry for prompt rows): this one's blocks of up
    to 16 rows are as fast as it from 64 rows to 512 and faster below, so every row takes them (docs/kernels.md). */

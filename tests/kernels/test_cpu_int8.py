@@ -1,8 +1,8 @@
 """kernels/cpu_int8.c, cpu_int8_avx512.c and cpu_int8_vnni.c, our AVX2, AVX-512 and AVX512-VNNI kernels for grouped
 8-bit weights x int16-quantized activations: each against its exact reference (the same integers in float64) and the
-float product, every block shape (rows 1-9 and more, past the VNNI build's 16-row chunks; outputs and inner sizes
-off its 4 x 32 or 16 x 32 grid), the bias, a row alone or in any batch, long rows, NaN and inf (its build's
-fall-back: test_cbuild.py); `quantize`, its weight format (GroupedInt8), and the packed layouts.
+float product, every block shape (rows 1-9 and more, past the VNNI build's 16-row chunks and the AVX2 build's 4;
+outputs and inner sizes off its 4 x 32 or 16 x 32 grid), the bias, a row alone or in any batch, long rows, NaN and
+inf (its build's fall-back: test_cbuild.py); `quantize`, its weight format (GroupedInt8), and the packed layouts.
 
 Each test runs on every build that runs here: "avx2" where the CPU has AVX2, "avx512" where it has AVX-512 F + BW,
 "avx512vnni" where it has AVX512-VNNI too (the skips name what it lacks), and "avx512-simde" and "avx512vnni-simde",
@@ -159,19 +159,14 @@ def test_a_nan_or_inf_in_a_row_makes_that_row_nan_and_leaves_the_others(isa):
     assert got[0].isnan().all() and got[2].isnan().all() and got[1].isfinite().all()
 
 
-def test_pack_interleaves_four_rows_per_k_step_and_pads_with_zeros():
+def test_pack_interleaves_four_rows_per_weight_group_and_pads_with_zeros():
     u = torch.arange(6 * 64, dtype=torch.int64).remainder(251).to(torch.uint8).view(6, 64)
-    p = cpu_int8.pack(u)
-    assert p.shape == (2, 4, 4, 16) and p.is_contiguous()  # 6 rows -> 2 groups of 4; K 64 -> 4 k-steps of 16
+    p = cpu_int8.pack(u)  # the AVX-512 build's: a row's whole group of 32 codes in one piece
+    assert p.shape == (2, 2, 4, 32) and p.is_contiguous()  # 6 rows -> 2 groups of 4; K 64 -> 2 weight groups
     for n in range(6):
         for k in range(64):
-            assert p[n // 4, k // 16, n % 4, k % 16] == u[n, k]
+            assert p[n // 4, k // 32, n % 4, k % 32] == u[n, k]
     assert (p[1, :, 2:] == 0).all()  # the padding rows
-    p32 = cpu_int8.pack(u, row_bytes=32)  # the AVX-512 build's: a row's whole group of 32 codes in one piece
-    assert p32.shape == (2, 2, 4, 32) and p32.is_contiguous()
-    for n in range(6):
-        for k in range(64):
-            assert p32[n // 4, k // 32, n % 4, k % 32] == u[n, k]
     d = torch.arange(12, dtype=torch.float32).view(6, 2)
     steps = cpu_int8.pack_steps(d)
     assert steps.shape == (2, 2, 4)  # per group of 4 rows and group of 32 k: the 4 rows' steps
@@ -259,6 +254,25 @@ def test_pack_wide_puts_16_rows_4_codes_each_in_a_piece_of_64_bytes():
         for j in range(2):
             assert steps[n // 16, j, n % 16] == d[n, j] == offsets[n // 16, j, n % 16]
     assert (steps[1, :, 5:] == 0).all() and (offsets[:, 2:] == 0).all()
+
+
+def test_pack_wide_with_lanes_of_2_puts_16_rows_2_codes_each_in_a_piece_of_32_bytes():
+    # the AVX2 build's layout: slab, weight group, piece q, row, byte b = code at k 2q + b (4-bit: pack4's bytes)
+    u = torch.arange(21 * 64, dtype=torch.int64).remainder(251).to(torch.uint8).view(21, 64)
+    p = cpu_int8.pack_wide(u, nibbles=False, lane=2)
+    assert p.shape == (2, 2, 16, 16, 2) and p.is_contiguous()
+    for n in range(21):
+        for k in range(64):
+            assert p[n // 16, k // 32, k % 32 // 2, n % 16, k % 2] == u[n, k]
+    assert (p[1, :, :, 5:] == 0).all()  # the padding rows
+    u4 = u % 16
+    p4, bytes4 = cpu_int8.pack_wide(u4, nibbles=True, lane=2), cpu_int8.pack4(u4)
+    assert p4.shape == (2, 2, 8, 16, 2) and p4.numel() * 2 == p.numel()
+    for n in range(21):
+        for j in range(16):  # byte j of a group: codes k = j (low nibble) and 16 + j (high)
+            for g in range(2):
+                assert p4[n // 16, g, j // 2, n % 16, j % 2] == bytes4[n // 4, g, n % 4, j]
+    assert cpu_int8.Matrix(cpu_int8.quantize(torch.randn(21, 64)), isa="avx2").packed.shape == (2, 2, 16, 16, 2)
 
 
 def test_four_bit_takes_exactly_the_multiples_of_17():

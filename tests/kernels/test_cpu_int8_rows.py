@@ -4,8 +4,8 @@ fp16 steps), row counts on and off its panels (16 or 8 rows) and blocks, outputs
 against its batch bit for bit, NaN / inf rows; and the engine's choice of it (`Int8Weight`).
 
 Each test runs on every build that has it and runs here: "avx512" (zmm, vpmaddwd + vpaddd) where the CPU has AVX-512
-(the skip names what it lacks), its SIMDe twin on every x86 CPU, and "avx2" (ymm). The VNNI build has none: its
-`rows` is its decode matmul (tested here too)."""
+(the skip names what it lacks) and its SIMDe twin on every x86 CPU. The VNNI and AVX2 builds have none (the AVX2 one
+until session 33): their `rows` is their decode matmul (tested here too)."""
 import pytest
 import torch
 from hypothesis import example, given, settings
@@ -16,8 +16,8 @@ from kernels import cpu_int8
 from tests.helpers import cpu_int8_build
 from tests.kernels.test_cpu_int8 import as_multiplied, exact, gguf_grid, q4_grid
 
-ROW_ISAS = [cpu_int8_build(name) for name in ("avx512", "avx512-simde", "avx2")]
-VNNI_ISAS = [cpu_int8_build(name) for name in ("avx512vnni", "avx512vnni-simde")]
+ROW_ISAS = [cpu_int8_build(name) for name in ("avx512", "avx512-simde")]
+LANE_ISAS = [cpu_int8_build(name) for name in ("avx512vnni", "avx512vnni-simde", "avx2")]
 
 
 @pytest.fixture(autouse=True)
@@ -92,17 +92,17 @@ def test_strided_rows_are_read_as_their_values(isa):
     assert torch.equal(matrix.rows(x), matrix.rows(x.contiguous()))
 
 
-@pytest.mark.parametrize("isa", VNNI_ISAS)
-def test_the_vnni_build_runs_every_row_through_its_decode_matmul(isa):
+@pytest.mark.parametrize("isa", LANE_ISAS)
+def test_the_vnni_and_avx2_builds_run_every_row_through_their_decode_matmul(isa):
     matrix = cpu_int8.Matrix(cpu_int8.quantize(torch.randn(40, 64)), isa=isa)
     x = torch.randn(70, 64)
     assert not matrix.has_rows and torch.equal(matrix.rows(x), matrix(x))
-    if isa == "avx512vnni":  # so the engine sends prompt rows to it as every other row
+    if isa in ("avx512vnni", "avx2"):  # so the engine sends prompt rows to it as every other row
         assert not Int8Weight(torch.randn(24, 64), None, isa, prompt_rows=True).prompt_rows
 
 
 @pytest.mark.parametrize("isa", ROW_ISAS)
-def test_the_avx2_and_avx512_builds_have_rows_and_the_switch_turns_them_off(isa, monkeypatch):
+def test_the_avx512_build_has_rows_and_the_switch_turns_them_off(isa, monkeypatch):
     w = cpu_int8.quantize(torch.randn(8, 64))
     assert cpu_int8.Matrix(w, isa=isa).has_rows
     monkeypatch.setenv("DECODELAB_INT8_ROWS", "0")
@@ -111,7 +111,7 @@ def test_the_avx2_and_avx512_builds_have_rows_and_the_switch_turns_them_off(isa,
     assert not off.has_rows and torch.equal(off.rows(x), off(x))  # the decode matmul
 
 
-ROUTED = next((name for name in ("avx512", "avx2") if cpu_int8.unavailable(name) is None), None)
+ROUTED = next((name for name in ("avx512", "avx512-simde") if cpu_int8.unavailable(name) is None), None)
 
 
 @pytest.mark.skipif(ROUTED is None, reason="no build of ours with a many-rows matmul runs here")

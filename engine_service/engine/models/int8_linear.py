@@ -7,9 +7,9 @@ Our kernel's builds and two of PyTorch's; `int8_kernel` picks one:
   AVX2: the default elsewhere, and DECODELAB_CPU_ISA=avx2 or DECODELAB_INT8_KERNEL=avx2 on any): the three builds of
   our own kernel (kernels/cpu_int8_vnni.c, cpu_int8_avx512.c and cpu_int8.c, the same weight format and the same
   integer products, built on first use) for every matmul and the LM head, prompt and generated rows alike; a
-  step's prompt rows, from ROWS_MIN of them, go through the AVX2 and AVX-512 builds' many-rows matmul
-  (kernels/cpu_int8_rows.h: the same integers, rows in a register's lanes; `Int8Weight`; the VNNI build's decode
-  blocks take every row). Weights are 8-bit codes in
+  step's prompt rows, from ROWS_MIN of them, go through the AVX-512 build's many-rows matmul
+  (kernels/cpu_int8_rows.h: the same integers, rows in a register's lanes; `Int8Weight`; the VNNI and AVX2 builds'
+  decode blocks take every row). Weights are 8-bit codes in
   groups of 32 along K, each group with its own fp32 step and offset (kernels/cpu_int8.py `GroupedInt8`, `quantize`:
   a group's 256 levels span its own [min, max]; a weight whose codes are all on a 16-level grid, as a Q4_1 GGUF's
   are, is held as 4-bit codes: `Matrix.nibbles`); activations are quantized per row to int16 inside the call;
@@ -233,16 +233,16 @@ class RowSplitWeight:
 class Int8Weight:
     """One [out, in] weight in int8 and how to multiply by it: `w(x)` ~= F.linear(x, weight, bias).
 
-    With `prompt_rows` (the decoder's matmuls) on a build of our kernel that has a many-rows matmul (AVX2, AVX-512:
+    With `prompt_rows` (the decoder's matmuls) on a build of our kernel that has a many-rows matmul (AVX-512:
     `cpu_int8.Matrix.has_rows`), a forward pass's prompt tokens (the rows after its `generated_rows`) go through it
     (`Matrix.rows`, rows in a register's lanes) where there are at least ROWS_MIN of them, and every other row
-    through the decode one: the many-rows one does a register's rows' work (16, AVX2 8) for fewer and wins from
-    ~32-48 rows (at 64 ~1.4x AVX-512, ~1.1x AVX2; at 512 ~1.75x and ~1.2x on an AMD Zen 5, docs/kernels.md).
+    through the decode one: the many-rows one does a register's rows' work (16) for fewer and wins from ~32-48 rows
+    (at 64 ~1.4x, at 512 ~1.75x on an AMD Zen 5, docs/kernels.md).
     Generated tokens (decoding, speculative verification, beams) always take the decode one, whose rows are
     batch-invariant; a prompt's rows are not quite: a chunk of fewer than ROWS_MIN tokens (a prefix-cache tail, a
     short prompt) sums them in another order than a long chunk would, as the fp32 path's oneDNN blocking also
-    differs by row count. The VNNI build has no many-rows matmul (its decode blocks are as fast): every row takes
-    the decode one there. DECODELAB_INT8_ROWS=0 runs every row through the decode one."""
+    differs by row count. The VNNI and AVX2 builds have no many-rows matmul (their decode blocks are as fast): every
+    row takes the decode one there. DECODELAB_INT8_ROWS=0 runs every row through the decode one."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str, prompt_rows: bool = False):
         assert kernel in KERNELS, kernel
