@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: play test lint install debs bench-anchors test-arm64
+.PHONY: play test lint install debs bench-anchors bench-issue25 test-arm64
 
 play: $(STAMP)
 	$(VENV)/bin/decodelab play
@@ -35,6 +35,22 @@ $(STAMP): pyproject.toml
 # (engine_service/bench/llamacpp_build.py). Never part of `make test`: it compiles llama.cpp twice (~40 min, 2 cores).
 bench-anchors: $(STAMP)
 	CMAKE_BUILD_PARALLEL_LEVEL=2 $(VENV)/bin/decodelab bench anchors --install --jobs 2
+
+# Issue 25's column for the CPU at hand (README's table: quality, the four-mode playground with the browser, single
+# stream and 8 streams against llama-server, offline against HF static and batched decode), one bench after another
+# into benchmarks/results/issue25-<UTC time>/ (~20 min once llama-server is built for this CPU's flags: ~20 min the
+# first time, cached after; each JSON names the CPU). Run it with nothing else on the machine. ISA=avx2 forces the
+# AVX2 build (DECODELAB_CPU_ISA) on a wider CPU, llama.cpp's flags with it.
+bench-issue25: $(STAMP)
+	out=benchmarks/results/issue25-$$(date -u +%Y%m%dT%H%MZ)$(if $(ISA),-$(ISA)); \
+	export DECODELAB_CPU_ISA=$(ISA); set -e; \
+	CMAKE_BUILD_PARALLEL_LEVEL=2 $(VENV)/bin/decodelab bench anchors --jobs 2; \
+	$(VENV)/bin/decodelab bench quality --threads 2 --out $$out/quality; \
+	$(VENV)/bin/decodelab bench playground --quantization int8 --repeats 5 --out $$out/playground; \
+	$(VENV)/bin/decodelab bench aggregate --threads 2 --runs 5 --out $$out/aggregate; \
+	$(VENV)/bin/decodelab bench throughput --quantization int8 --threads 2 --hf-baselines static --skip-llamacpp \
+		--out $$out/throughput; \
+	echo "issue 25's figures: $$out"
 
 # A CPU without AVX2, for real: the no-AVX2 test of the playground's engine (all four modes, HF's greedy tokens) and
 # the C kernels' build checks on arm64 Python 3.11 under QEMU user-mode emulation (tests/arm64/: Debian's arm64
