@@ -115,9 +115,9 @@ typedef int (*prepare_fn)(int16_t* xq, int64_t M, int64_t Kp);
 /* wp: u packed, (N + 3) / 4 groups of 4 * Kp bytes (FMT_NIBBLES: 4-bit codes, 2 * Kp bytes), Kp = K rounded up to
    32, laid out as the build's blocks read them (kernels/cpu_int8.py `pack`, `pack4`); dp: the steps,
    [(N + 3) / 4][Kp / 32][4]; mp: the offsets, [(N + 3) / 4 * 4][Gp], Gp = Kp / 32 rounded up to 8 (zeros past it);
-   both fp32, or fp16 with FMT_HALF (kernels/cpu_int8.py `Matrix`). With width 16 (the VNNI and AVX2 builds) the same in
-   slabs of 16 outputs: (N + 15) / 16 of 16 * Kp bytes (4-bit: 8 * Kp), steps [(N + 15) / 16][Kp / 32][16], offsets
-   [(N + 15) / 16][Gp][16] (`pack_wide`, `pack_wide_scales`). `group` gets each `width` outputs in turn, OpenMP
+   both fp32, or fp16 with FMT_HALF (kernels/cpu_int8.py `Matrix`). With width 16 (the VNNI and AVX2 builds) the
+   same in slabs of 16 outputs: (N + 15) / 16 of 16 * Kp bytes (4-bit: 8 * Kp), steps [(N + 15) / 16][Kp / 32][16],
+   offsets [(N + 15) / 16][Gp][16] (`pack_wide`, `pack_wide_scales`). `group` gets each `width` outputs in turn, OpenMP
    splitting them between threads. Returns 0, or -1 when the int16 copy of x could not be allocated. xmax and
    prepare: the build's activation grid and its pass over the quantized rows. reread: the row count from which the
    build's blocks read a group more than once (0: never). */

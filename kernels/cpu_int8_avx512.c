@@ -6,21 +6,20 @@
    A zmm register holds a whole group of 32 activations as int16, so per group and output one vpmaddwd of 32 pairs
    gives 16 int32 lanes (at most 2 * 32767 * 255 each), one conversion and one FMA times the group's step fold them
    into 16 fp32 lanes: 3 instructions per group, row and output where the AVX2 build's blocks before session 33
-   needed 5 (two 16-wide k-steps and their sum). VNNI's vpdpwssd would fuse that multiply with an add into int32 accumulators, but nothing here
-   accumulates in int32 across groups (each group has its own fp32 step), so it would be this vpmaddwd with a zero
-   addend; vpdpbusd multiplies 8-bit activations, which cpu_int8_vnni.c gets around by splitting each int16 code
-   into two bytes. The 32 zmm registers hold
-   a block of 4 rows x the 4 outputs of a packed group (16 accumulators), so a group is read once for up to 4 rows.
-   On an AMD Zen 5 (2 threads, SmolLM2's 120 decode matrices) it takes 0.98x the AVX2 build's time at 1 row (both
+   needed 5 (two 16-wide k-steps and their sum). VNNI's vpdpwssd would fuse that multiply with an add into int32
+   accumulators, but nothing here accumulates in int32 across groups (each group has its own fp32 step), so it
+   would be this vpmaddwd with a zero addend; vpdpbusd multiplies 8-bit activations, which cpu_int8_vnni.c gets
+   around by splitting each int16 code into two bytes. The 32 zmm registers hold a block of 4 rows x the 4 outputs
+   of a packed group (16 accumulators), so a group is read once for up to 4 rows. On an AMD Zen 5 (2 threads,
+   SmolLM2's 120 decode matrices, session 27) it took 0.98x the time of the AVX2 build's blocks then at 1 row (both
    bound by memory), 0.85x at 8 and 0.81x at 64.
 
-   The weights come packed by kernels/cpu_int8.py `pack(u)`: groups of 4 output rows, each row's 32
-   codes of a weight group side by side ([ceil(N / 4), Kp / 32, 4, 32], 128 bytes a k-group as in the AVX2 layout);
-   4-bit codes in `pack4`'s layout, which both builds share (16 bytes a row: low nibbles k 0-15, high k 16-31).
-   Everything else (activation quantization, offsets, the lane sums' fixed order, OpenMP over groups) is
-   kernels/cpu_int8.h, shared with cpu_int8.c. As there, every output goes through the same operations whichever
-   block computes it: a row gives the same bits alone or in any batch (not the AVX2 build's bits: its lanes add the
-   products in another order).
+   The weights come packed by kernels/cpu_int8.py `pack(u)`: groups of 4 output rows, each row's 32 codes of a
+   weight group side by side ([ceil(N / 4), Kp / 32, 4, 32], 128 bytes a k-group); 4-bit codes in `pack4`'s layout
+   (16 bytes a row: low nibbles k 0-15, high k 16-31). The activation quantization, the offsets' term, the lane
+   sums' fixed order and OpenMP over groups are kernels/cpu_int8.h's. Every output goes through the same operations
+   whichever block computes it: a row gives the same bits alone or in any batch (not the other builds' bits: they
+   add the products in another order).
 
    With -DDL_SIMDE (and without -mavx512*) the same source builds against SIMDe's portable versions of these
    intrinsics (Debian's libsimde-dev): how tests check this kernel's logic on CPUs without AVX-512. */
