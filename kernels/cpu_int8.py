@@ -1,12 +1,12 @@
 """8-bit weight x int16-quantized activation matmul for x86 CPUs with AVX2 (`cpu_int8.c`), AVX-512 F + BW
-(`cpu_int8_avx512.c`: the same format and integers, whole groups in one 512-bit register) or AVX512-VNNI
+(`cpu_int8_avx512.c`: the same format, integers and bits, 16 outputs a 512-bit register) or AVX512-VNNI
 (`cpu_int8_vnni.c`: the same format and integer products, vpdpbusd on the weights' bytes as stored and each int16
 activation split into two signed bytes), built on first use.
 
 The weights are 8-bit codes in groups of 32 along K, each group with its own step and offset (`GroupedInt8`,
 `quantize`; fp32, or fp16 where that holds them exactly, as a GGUF's: `Matrix.half`): a group's 256 levels span its
 own [min, max], as llama.cpp's Q4_1 / Q5_1 blocks do, so SmolLM2's Q4_1 weights (16 levels a group) are kept
-exactly, and `Matrix` stores such a weight as its 4-bit codes (`four_bit`, `pack4`): half the bytes a decode step
+exactly, and `Matrix` stores such a weight as its 4-bit codes (`four_bit`, two a byte): half the bytes a decode step
 reads, the same operations per weight. A group on llama.cpp's Q8_0 grid keeps that grid (SmolLM2's head).
 
 On SmolLM2-135M (docs/kernels.md) per-row symmetric int8, the format before, moved continuation log-likelihoods
@@ -20,20 +20,18 @@ int16 pair sums), which needs SmoothQuant and fails on the outlier-heavy inputs 
 pays ~60 us of its own per call at one row; fp16 weights move twice int8's bytes; `_weight_int8pack_mm` and
 `_weight_int4pack_mm_for_cpu` have no fast AVX2 path (2-65x and ~10x slower than fp32). This kernel quantizes
 each activation row to int16 (a relative error of ~1.5e-5, nothing to calibrate) and multiplies it by the 8-bit
-codes in integers (vpmaddwd), one fp32 multiply-add per group of 32, reading each weight byte from memory once per
-call; the weights are packed at load time (`pack`) so that each group of 4 output rows is one sequential stream
-(docs/kernels.md has the measurements).
+codes in integers (vpmaddwd), one fp32 multiply-add per group of 32 and 8 or 16 outputs, reading each weight byte
+from memory once per call; the weights are packed at load time (`pack_wide`) so that a register holds 16 (AVX2: 8)
+outputs, one a lane, and each slab of 16 outputs is one sequential stream (docs/kernels.md has the measurements).
 
 Which build runs (`default_isa()`): the VNNI one where the CPU has avx512f, avx512bw and avx512_vnni and it builds,
 else the AVX-512 one where it has the first two, else the AVX2 one; DECODELAB_CPU_ISA=avx2 forces the AVX2 build on
-any CPU (int8_linear's DECODELAB_INT8_KERNEL=avx512 or =avx512vnni insists on one of the others). Each packs its
-weights for its own blocks (the VNNI and AVX2 builds `pack_wide`, slabs of 16 outputs, one a lane, 4 or 2 k a lane;
-the AVX-512 build `pack`, groups of 4 outputs), so a `Matrix` belongs to one build.
-The AVX-512 build also carries a many-rows matmul over the same packed weights (`cpu_int8_rows.h`, `Matrix.rows`:
-16 rows in a zmm's lanes; from 64 rows on ~1.4-1.8x faster than its decode blocks; the engine runs a step's prompt
-rows through it, engine_service/engine/models/int8_linear.py `Int8Weight`); DECODELAB_INT8_ROWS=0 turns it off. The
-VNNI and AVX2 builds have none: their decode blocks (outputs in a register's lanes) are as fast from 64 rows to 512
-and faster below (the AVX2 build carried one until session 33).
+any CPU (int8_linear's DECODELAB_INT8_KERNEL=avx512 or =avx512vnni insists on one of the others). All three pack
+their weights in slabs of 16 outputs, one a register lane (`pack_wide`: 2 k a lane for vpmaddwd in the AVX2 and
+AVX-512 builds, which share the layout, 4 for the VNNI build's vpdpbusd), so a `Matrix` belongs to one build (or to
+both of the first two). Their blocks take every row, a prompt's and a generated token's alike, batch-invariant; the
+AVX2 and AVX-512 builds carried a second, many-rows matmul for prompt rows until session 33 (rows in the lanes:
+`cpu_int8_rows.h`), when the outputs-in-lanes blocks came to run as fast or faster from 64 rows on.
 "avx512-simde" and "avx512vnni-simde" are the AVX-512 sources compiled against SIMDe's portable intrinsics (Debian's
 libsimde-dev): how the tests check those builds' logic on a CPU without the instructions (16-40x slower than the
 AVX2 build on Zen 3; never chosen by `default_isa()`).
@@ -54,32 +52,25 @@ import torch
 from kernels import _cbuild
 
 
-def _declare_linear(lib: ctypes.CDLL) -> None:
+def _declare(lib: ctypes.CDLL) -> None:
     i64, p = ctypes.c_int64, ctypes.c_void_p
     lib.dl_int8_linear.argtypes = [p, i64, i64, i64, p, p, p, p, p, i64, ctypes.c_int]
     lib.dl_int8_linear.restype = ctypes.c_int
 
 
-def _declare(lib: ctypes.CDLL) -> None:
-    _declare_linear(lib)
-    lib.dl_int8_rows.argtypes = lib.dl_int8_linear.argtypes  # the many-rows matmul (cpu_int8_rows.h): same arguments
-    lib.dl_int8_rows.restype = ctypes.c_int
-
-
 KERNELS = {
-    "avx512vnni": _cbuild.CKernel("cpu_int8_vnni", _declare_linear, ("-mavx512f", "-mavx512bw", "-mavx512vnni"),
+    "avx512vnni": _cbuild.CKernel("cpu_int8_vnni", _declare, ("-mavx512f", "-mavx512bw", "-mavx512vnni"),
                                   ("avx512f", "avx512bw", "avx512_vnni")),
     "avx512": _cbuild.CKernel("cpu_int8_avx512", _declare, ("-mavx512f", "-mavx512bw"), ("avx512f", "avx512bw")),
-    "avx2": _cbuild.CKernel("cpu_int8", _declare_linear),
+    "avx2": _cbuild.CKernel("cpu_int8", _declare),
     "avx512-simde": _cbuild.CKernel("cpu_int8_avx512", _declare, ("-DDL_SIMDE", "-Wno-psabi")),
-    "avx512vnni-simde": _cbuild.CKernel("cpu_int8_vnni", _declare_linear, ("-DDL_SIMDE", "-Wno-psabi")),
+    "avx512vnni-simde": _cbuild.CKernel("cpu_int8_vnni", _declare, ("-DDL_SIMDE", "-Wno-psabi")),
 }
 # By source (a build's and its SIMDe twin's): the int16 code of a row's largest |x| (its grid: max |x| / this; the
 # VNNI build splits codes into two int8s).
 ACTIVATION_MAX = {"cpu_int8": 32767, "cpu_int8_avx512": 32767, "cpu_int8_vnni": 32639}
-# packed in slabs of 16 outputs (`pack_wide`), not groups of 4: the neighbouring k a lane holds (vpdpbusd's 4 bytes,
-# vpmaddwd's 2 int16); their blocks take every row (no `dl_int8_rows`)
-WIDE_LANE = {"cpu_int8_vnni": 4, "cpu_int8": 2}
+# By source: the neighbouring k a lane of `pack_wide`'s slabs holds (vpdpbusd's 4 bytes, vpmaddwd's 2 int16).
+LANE_K = {"cpu_int8_vnni": 4, "cpu_int8_avx512": 2, "cpu_int8": 2}
 def default_isa() -> str:
     """The build a `Matrix` uses unless told: "avx512vnni" where it runs, else "avx512" where that does (while
     DECODELAB_CPU_ISA allows AVX-512), else "avx2"."""
@@ -155,16 +146,6 @@ def quantize(weight: torch.Tensor) -> GroupedInt8:
     return GroupedInt8(u.view(n, g * GROUP).to(torch.uint8), d, lo, k)
 
 
-def pack(u: torch.Tensor) -> torch.Tensor:
-    """u [N, Kp] (Kp a multiple of GROUP) in the AVX-512 build's layout: groups of 4 output rows (N padded with zero
-    rows to a multiple of 4), each weight group's 4 rows of 32 codes side by side, so a group of outputs is one
-    sequential stream: [ceil(N / 4), Kp / 32, 4, 32]."""
-    n, kp = u.shape
-    assert kp % GROUP == 0, kp
-    padded = torch.nn.functional.pad(u, (0, 0, 0, -n % 4))
-    return padded.view(padded.shape[0] // 4, 4, kp // GROUP, GROUP).transpose(1, 2).contiguous()
-
-
 def four_bit(u: torch.Tensor) -> bool:
     """Whether 8-bit codes u are 4-bit ones times 17: a group quantized from 16 levels spanning its [min, max]
     (llama.cpp's Q4_1, whose groups span exactly that: SmolLM2's GGUF) lands on 0, 17, ..., 255."""
@@ -176,43 +157,24 @@ def four_bit(u: torch.Tensor) -> bool:
 
 
 def _nibble_bytes(u4: torch.Tensor) -> torch.Tensor:
-    """4-bit codes u4 [N, Kp] as [N, Kp / 32, 16] bytes: byte j of a group = u4[j] | u4[16 + j] << 4."""
+    """4-bit codes u4 [N, Kp] as [N, Kp / 32, 16] bytes: byte j of a group = u4[j] | u4[16 + j] << 4 (so a byte's low
+    nibble is the group's k j and its high one k 16 + j)."""
     n, kp = u4.shape
     assert kp % GROUP == 0 and bool((u4 < 16).all()), kp
     halves = u4.view(n, kp // GROUP, 2, 16)
     return halves[:, :, 0] | (halves[:, :, 1] << 4)
 
 
-def pack4(u4: torch.Tensor) -> torch.Tensor:
-    """4-bit codes u4 [N, Kp] (uint8 < 16, Kp a multiple of GROUP) in the kernel's 4-bit layout: groups of 4 output
-    rows, each row's 32 codes of a group in 16 bytes (byte j = u4[j] | u4[16 + j] << 4), the 4 rows' side by side:
-    [ceil(N / 4), Kp / 32, 4, 16], half `pack`'s bytes."""
-    nibbles = torch.nn.functional.pad(_nibble_bytes(u4), (0, 0, 0, 0, 0, -u4.shape[0] % 4))  # [N, Kp / 32, 16]
-    return nibbles.view(-1, 4, *nibbles.shape[1:]).transpose(1, 2).contiguous()
-
-
-def pack_steps(d: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """d [N, G] as the kernel reads it beside `pack`'s groups, in `dtype` (fp32 or fp16): [ceil(N / 4), G, 4]."""
-    padded = torch.nn.functional.pad(d.float(), (0, 0, 0, -d.shape[0] % 4))
-    return padded.view(padded.shape[0] // 4, 4, d.shape[1]).transpose(1, 2).to(dtype).contiguous()
-
-
-def pack_offsets(m: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """m [N, G] padded with zeros to [ceil(N / 4) * 4, G rounded up to 8], in `dtype`: a row's offsets are read 8 at
-    a time."""
-    return torch.nn.functional.pad(m.float(), (0, -m.shape[1] % 8, 0, -m.shape[0] % 4)).to(dtype).contiguous()
-
-
-WIDE = 16  # the VNNI and AVX2 builds' slab: outputs a zmm holds (AVX2: two ymm), one a lane (`pack_wide`)
+WIDE = 16  # every build's slab: outputs a zmm holds (AVX2: two ymm), one a lane (`pack_wide`)
 
 
 def pack_wide(u: torch.Tensor, nibbles: bool, lane: int = 4) -> torch.Tensor:
-    """Codes u [N, Kp] (8-bit, or 4-bit ones < 16 with `nibbles`) in the VNNI (lane=4) or AVX2 (lane=2) build's
-    layout: slabs of 16 output rows (N padded with zero rows to a multiple of 16), each weight group's codes as
-    32 / lane (4-bit: 16 / lane) pieces, piece q holding each of the 16 rows' `lane` bytes at k lane q ..
-    lane (q + 1) - 1 (4-bit: `pack4`'s bytes there, so low nibbles k lane q.., high ones k 16 + lane q..):
-    [ceil(N / 16), Kp / 32, 32 / lane or 16 / lane, 16, lane]. The same bytes as `pack` or `pack4`, another order:
-    a register of a piece multiplies 16 outputs (AVX2: 8, from its two halves) at once."""
+    """Codes u [N, Kp] (8-bit, or 4-bit ones < 16 with `nibbles`) in the VNNI (lane=4) or AVX2 / AVX-512 (lane=2)
+    builds' layout: slabs of 16 output rows (N padded with zero rows to a multiple of 16), each weight group's codes
+    as 32 / lane (4-bit: 16 / lane) pieces, piece q holding each of the 16 rows' `lane` bytes at k lane q ..
+    lane (q + 1) - 1 (4-bit: `_nibble_bytes`' bytes there, so low nibbles k lane q.., high ones k 16 + lane q..):
+    [ceil(N / 16), Kp / 32, 32 / lane or 16 / lane, 16, lane]. A register of a piece multiplies 16 outputs (AVX2: 8,
+    from each of its two halves) at once."""
     rows = _nibble_bytes(u) if nibbles else u.view(u.shape[0], -1, GROUP)  # [N, G, 16 or 32]
     padded = torch.nn.functional.pad(rows, (0, 0, 0, 0, 0, -u.shape[0] % WIDE))
     s, g, b = padded.shape[0] // WIDE, padded.shape[1], padded.shape[2]
@@ -221,7 +183,7 @@ def pack_wide(u: torch.Tensor, nibbles: bool, lane: int = 4) -> torch.Tensor:
 
 def pack_wide_scales(d: torch.Tensor, dtype: torch.dtype = torch.float32, groups: int | None = None) -> torch.Tensor:
     """Steps or offsets d [N, G] for `pack_wide`'s slabs: [ceil(N / 16), groups (default G), 16] in `dtype`, zeros
-    past N and G (offsets take G rounded up to 8, as `pack_offsets`)."""
+    past N and G (offsets take G rounded up to 8: the kernel's Gp)."""
     groups = groups or d.shape[1]
     padded = torch.nn.functional.pad(d.float(), (0, groups - d.shape[1], 0, -d.shape[0] % WIDE))
     return padded.view(-1, WIDE, groups).transpose(1, 2).to(dtype).contiguous()
@@ -233,12 +195,6 @@ def fp16_exact(t: torch.Tensor) -> bool:
     value 1 time in 32, so a matrix of them never passes."""
     h = t.half().float()
     return bool(h.isfinite().all() and ((h - t).abs() <= t.abs() * 2.0**-16).all())
-
-
-def rows_enabled() -> bool:
-    """Whether `Matrix.rows` may run the many-rows matmul (`dl_int8_rows`, where the build has it);
-    DECODELAB_INT8_ROWS=0 keeps every row on `dl_int8_linear`."""
-    return os.environ.get("DECODELAB_INT8_ROWS", "1") != "0"
 
 
 def nibbles_enabled() -> bool:
@@ -271,41 +227,25 @@ class Matrix:
         # fp16 steps and offsets where that rounds none of them (a GGUF's): 4 bytes fewer per 32 weights
         self.half = half_scales_enabled() and fp16_exact(steps) and fp16_exact(w.m)
         dtype = torch.float16 if self.half else torch.float32
-        if self.kernel.name in WIDE_LANE:
-            self.packed = pack_wide(codes, self.nibbles, WIDE_LANE[self.kernel.name])
-            self.steps = pack_wide_scales(steps, dtype)
-            self.offsets = pack_wide_scales(w.m, dtype, -(-w.m.shape[1] // 8) * 8)
-        else:
-            self.packed = pack4(codes) if self.nibbles else pack(codes)
-            self.steps, self.offsets = pack_steps(steps, dtype), pack_offsets(w.m, dtype)
+        self.packed = pack_wide(codes, self.nibbles, LANE_K[self.kernel.name])
+        self.steps = pack_wide_scales(steps, dtype)
+        self.offsets = pack_wide_scales(w.m, dtype, -(-w.m.shape[1] // 8) * 8)
         self.fmt = FMT_NIBBLES * self.nibbles | FMT_HALF * self.half
         self.bias = None if bias is None else bias.contiguous()
         self.n, self.k = w.n, w.k
         self._ptrs = (self.packed.data_ptr(), self.steps.data_ptr(), self.offsets.data_ptr(),
                       None if bias is None else self.bias.data_ptr(), self.fmt)
-        # the many-rows matmul (cpu_int8_rows.h) where the build has one, unless DECODELAB_INT8_ROWS=0
-        self.has_rows = rows_enabled() and self.kernel.name not in WIDE_LANE
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] fp32 on the CPU -> [M, N] fp32."""
-        return self._run(self.kernel.lib.dl_int8_linear, x)
-
-    def rows(self, x: torch.Tensor) -> torch.Tensor:
-        """The same product through the many-rows matmul (`has_rows`; else as `m(x)`, as always on the VNNI and AVX2
-        builds): a register's rows' work (16) for every panel, full or not; from 64 rows on ~1.4-1.8x faster than
-        `m(x)` on the AVX-512 build (AMD Zen 5, docs/kernels.md); each row's bits independent of the others, though
-        not `m(x)`'s."""
-        return self._run(self.kernel.lib.dl_int8_rows if self.has_rows else self.kernel.lib.dl_int8_linear, x)
-
-    def _run(self, fn, x: torch.Tensor) -> torch.Tensor:
         assert x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and x.shape[-1] == self.k
         if x.stride(1) != 1 or x.stride(0) < self.k:
             x = x.contiguous()
         out = torch.empty(x.shape[0], self.n)
         if x.shape[0]:
             packed, steps, offsets, bias, fmt = self._ptrs
-            if fn(x.data_ptr(), x.stride(0), x.shape[0], self.k, packed, steps, offsets, bias, out.data_ptr(), self.n,
-                  fmt):
+            if self.kernel.lib.dl_int8_linear(x.data_ptr(), x.stride(0), x.shape[0], self.k, packed, steps, offsets,
+                                              bias, out.data_ptr(), self.n, fmt):
                 raise MemoryError("cpu_int8: no memory for the int16 copy of the activations")
         return out
 

@@ -60,14 +60,6 @@ static int split_rows(int16_t* xq, int64_t M, int64_t Kp) {
 /* a row's 4 activation bytes at p as every lane of a zmm (memcpy: the bytes were written as int16) */
 static inline __m512i quad(const int8_t* p) { int32_t v; memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
 
-/* 16 steps or offsets from p: fp32, or fp16 with half */
-static inline __m512 scales16(const char* p, int half) {
-    if (!half) return _mm512_loadu_ps((const float*)p);
-    __m256 a = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
-    __m256 b = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16)));
-    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(a)), _mm256_castps_pd(b), 1));
-}
-
 /* R rows of split activations (2 * Kp bytes apart; group sums Gp apart in xsum) times one packed slab of 16
    outputs (`pack_wide`: a k-group's codes as 8 (4-bit: 4) zmm of 16 outputs x 4 neighbouring k), its steps dp and
    offsets mp 16 a group; y, ldy apart by row: nb <= 16 outputs times each row's step xs, plus bias. R is a
@@ -104,16 +96,7 @@ BLOCK wide(const int R, const int16_t* x, const float* xsum, const float* xs, in
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), step, acc[r]);
         }
     }
-    for (int64_t j = 0; j < Kp / 32; j++) {  /* the offsets' term, group by group */
-        const char* mj = mp + j * 16 * esz;
-        __m512 m = scales16(mj, half);
-        for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[r * Gp + j]), m, acc[r]);
-    }
-    for (int r = 0; r < R; r++) {
-        float out[16];
-        _mm512_storeu_ps(out, _mm512_mul_ps(acc[r], _mm512_set1_ps(xs[r])));
-        for (int64_t o = 0; o < nb; o++) y[r * ldy + o] = bias ? out[o] + bias[o] : out[o];
-    }
+    slab_end16(R, acc, xsum, xs, Kp, Gp, mp, bias, y, ldy, nb, half);
 }
 
 /* `wide` compiled for each row count (1 to WIDE_ROWS) and each format, and `slab` over them (cpu_int8.h) */
@@ -127,7 +110,8 @@ static const slab_block_fn by_fmt[4][WIDE_ROWS + 1] = {WIDE_BY_ROWS(0), WIDE_BY_
                                                        WIDE_BY_ROWS(3)};
 SLAB(by_fmt, WIDE_ROWS)  /* every row of xq times one slab, in even chunks of at most WIDE_ROWS rows */
 
-DL_INT8_LINEAR(slab, XMAX, split_rows, 16, 0)
+DL_INT8_LINEAR(slab, XMAX, split_rows, 0)
 
-/* No many-rows matmul here (cpu_int8_rows.h, which the other builds carry for prompt rows): this one's blocks of up
-   to 16 rows are as fast as it from 64 rows to 512 and faster below, so every row takes them (docs/kernels.md). */
+/* No many-rows matmul here (the AVX2 and AVX-512 builds carried one, cpu_int8_rows.h, until session 33): the blocks
+   of up to 16 rows are as fast as it was from 64 rows to 512 and faster below, so every row takes them
+   (docs/kernels.md). */

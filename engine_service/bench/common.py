@@ -109,7 +109,7 @@ def median(xs: list[float]) -> float:
 
 # The environment switches that force a fallback path: a figure taken under one says so (`cpu_info()["forced"]`).
 FALLBACK_SWITCHES = ("DECODELAB_CPU_ISA", "DECODELAB_INT8_KERNEL", "DECODELAB_INT8_NIBBLES",
-                     "DECODELAB_INT8_HALF_SCALES", "DECODELAB_INT8_ROWS", "DECODELAB_CPU_KERNELS",
+                     "DECODELAB_INT8_HALF_SCALES", "DECODELAB_CPU_KERNELS",
                      "DECODELAB_CPU_LINEAR")
 
 

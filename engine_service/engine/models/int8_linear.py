@@ -6,10 +6,8 @@ Our kernel's builds and two of PyTorch's; `int8_kernel` picks one:
   VNNI: the default there; DECODELAB_INT8_KERNEL=avx512vnni or =avx512 insists on one) and "avx2" (x86 CPUs with
   AVX2: the default elsewhere, and DECODELAB_CPU_ISA=avx2 or DECODELAB_INT8_KERNEL=avx2 on any): the three builds of
   our own kernel (kernels/cpu_int8_vnni.c, cpu_int8_avx512.c and cpu_int8.c, the same weight format and the same
-  integer products, built on first use) for every matmul and the LM head, prompt and generated rows alike; a
-  step's prompt rows, from ROWS_MIN of them, go through the AVX-512 build's many-rows matmul
-  (kernels/cpu_int8_rows.h: the same integers, rows in a register's lanes; `Int8Weight`; the VNNI and AVX2 builds'
-  decode blocks take every row). Weights are 8-bit codes in
+  integer products, built on first use) for every matmul and the LM head, prompt and generated rows alike, each
+  row batch-invariant (outputs in a register's lanes: kernels/cpu_int8.py `pack_wide`). Weights are 8-bit codes in
   groups of 32 along K, each group with its own fp32 step and offset (kernels/cpu_int8.py `GroupedInt8`, `quantize`:
   a group's 256 levels span its own [min, max]; a weight whose codes are all on a 16-level grid, as a Q4_1 GGUF's
   are, is held as 4-bit codes: `Matrix.nibbles`); activations are quantized per row to int16 inside the call;
@@ -66,7 +64,6 @@ from kernels._cbuild import generic_cpu
 KERNELS = ("avx512vnni", "avx512", "avx2", "fbgemm", "dequant")
 OURS = ("avx512vnni", "avx512", "avx2")  # the builds of kernels/cpu_int8 (cpu_int8.KERNELS' names)
 QMAX = {"avx512": 127, "avx2": 127, "fbgemm": 63, "dequant": 127}
-ROWS_MIN = 64  # prompt rows from which a many-rows matmul runs them (`Int8Weight`): it wins from ~32-48 (Zen 5)
 
 # Seen once at load to find each matmul's activation ranges (SmoothQuant calibration): prose, code, numbers.
 CALIBRATION_TEXT = (
@@ -193,15 +190,14 @@ def projection_kernels(kernel: str) -> dict[str, str]:
     return {"qkv": "fbgemm", "o": "fbgemm", "gate_up": "fbgemm", "down": "fp16", "head": "fp16"}
 
 
-def quantized(weight: torch.Tensor, bias: torch.Tensor | None, kernel: str,
-              prompt_rows: bool = False) -> "HeadWeight | Int8Weight | RowSplitWeight":
-    """`weight` (and `bias`) as `kernel` multiplies by it: a projection_kernels value. `prompt_rows`: a decoder
-    matmul, whose prompt tokens' rows may take our kernel's many-rows matmul (`Int8Weight`)."""
+def quantized(weight: torch.Tensor, bias: torch.Tensor | None,
+              kernel: str) -> "HeadWeight | Int8Weight | RowSplitWeight":
+    """`weight` (and `bias`) as `kernel` multiplies by it: a projection_kernels value."""
     if kernel == "fp16":
         return HeadWeight(weight, bias)
     if kernel.endswith("|fbgemm"):
         return RowSplitWeight(weight, bias)
-    return Int8Weight(weight, bias, kernel, prompt_rows)
+    return Int8Weight(weight, bias, kernel)
 
 
 class RowSplitWeight:
@@ -231,26 +227,16 @@ class RowSplitWeight:
 
 
 class Int8Weight:
-    """One [out, in] weight in int8 and how to multiply by it: `w(x)` ~= F.linear(x, weight, bias).
+    """One [out, in] weight in int8 and how to multiply by it: `w(x)` ~= F.linear(x, weight, bias). On our kernel's
+    builds every row, a prompt token's or a generated one's, takes the same blocks (until session 33 the AVX2 and
+    AVX-512 builds sent a forward pass's 64 or more prompt rows through a second, many-rows matmul)."""
 
-    With `prompt_rows` (the decoder's matmuls) on a build of our kernel that has a many-rows matmul (AVX-512:
-    `cpu_int8.Matrix.has_rows`), a forward pass's prompt tokens (the rows after its `generated_rows`) go through it
-    (`Matrix.rows`, rows in a register's lanes) where there are at least ROWS_MIN of them, and every other row
-    through the decode one: the many-rows one does a register's rows' work (16) for fewer and wins from ~32-48 rows
-    (at 64 ~1.4x, at 512 ~1.75x on an AMD Zen 5, docs/kernels.md).
-    Generated tokens (decoding, speculative verification, beams) always take the decode one, whose rows are
-    batch-invariant; a prompt's rows are not quite: a chunk of fewer than ROWS_MIN tokens (a prefix-cache tail, a
-    short prompt) sums them in another order than a long chunk would, as the fp32 path's oneDNN blocking also
-    differs by row count. The VNNI and AVX2 builds have no many-rows matmul (their decode blocks are as fast): every
-    row takes the decode one there. DECODELAB_INT8_ROWS=0 runs every row through the decode one."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str, prompt_rows: bool = False):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str):
         assert kernel in KERNELS, kernel
         self.kernel = kernel
         self.out_features = weight.shape[0]
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.packed = self.matrix = self.grouped = None
-        self.prompt_rows = False
         self.group_bytes = 0  # beyond one int8 a weight and its scales (`scale`: per row, or per group)
         if kernel == "fbgemm":  # fbgemm keeps its own packed copy of q
             q, self.scale = quantize_weight(weight, QMAX[kernel])
@@ -262,18 +248,10 @@ class Int8Weight:
             self.matrix = cpu_int8.Matrix(grouped, self.bias, kernel)  # holds the packed copy only
         else:
             self.grouped = grouped
-        self.prompt_rows = prompt_rows and self.matrix is not None and self.matrix.has_rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.matrix is not None:
-            x32 = x.float()
-            n = generated_rows.get() if self.prompt_rows else x.shape[0]
-            if x.shape[0] - n < ROWS_MIN:
-                out = self.matrix(x32)
-            elif n == 0:
-                out = self.matrix.rows(x32)
-            else:
-                out = torch.cat([self.matrix(x32[:n]), self.matrix.rows(x32[n:])])
+            out = self.matrix(x.float())
             return out if x.dtype == torch.float32 else out.to(x.dtype)
         if self.kernel == "dequant":  # the weight in x's dtype each call: a memory saving, not a speed-up
             w = self.grouped.dequantize().to(x.dtype)

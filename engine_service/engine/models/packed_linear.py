@@ -107,7 +107,7 @@ class Linear(nn.Linear):
 
     def quantize_int8(self, kernel: str) -> None:
         """int8 weights for `kernel` (int8_linear.Int8Weight), or for "fp16" fbgemm's fp16 weights (HeadWeight)."""
-        self.int8 = quantized(self.weight, self.bias, kernel, prompt_rows=True)
+        self.int8 = quantized(self.weight, self.bias, kernel)
         self.weight = nn.Parameter(self.weight.detach().to("meta"), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
