@@ -11,7 +11,7 @@
    Lanes (since session 33): a ymm holds 8 outputs, one a lane, each lane two neighbouring k of its output, so
    vpmaddwd against a row's two int16 codes at those k broadcast to every lane, and a vpaddd, add 16 products into
    8 int32 sums. The weights come in slabs of 16 outputs (kernels/cpu_int8.py `pack_wide(..., lane=2)`: a k-group
-   is 16 pieces of 32 bytes, piece q each output's codes at k 2q and 2q + 1; 4-bit: 8 pieces of `pack4`'s bytes,
+   is 16 pieces of 32 bytes, piece q each output's codes at k 2q and 2q + 1; 4-bit: 8 pieces of nibble bytes,
    whose low nibbles are k 2q.. and high ones k 16 + 2q..), widened to int16 once for a block of up to 4 rows, and
    a slab's two halves share each broadcast. After a group's 16 k-pairs a lane holds its output's exact integer
    sum (at most 32 * 32767 * 255: no overflow), which one conversion and one FMA by the 8 outputs' steps add to its
