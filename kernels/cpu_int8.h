@@ -7,6 +7,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include "cpu_simd.h"
 
 /* row i of x to int16 on the grid max|x_i| / xmax (a build's XMAX), zero-padded to Kp; xs[i] the step (NaN for a
@@ -72,6 +73,10 @@ static inline __m512 scales16(const char* p, int half) {
     __m256 b = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16)));
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(a)), _mm256_castps_pd(b), 1));
 }
+
+/* the AVX-512 builds' broadcast: the 4 bytes at p (a row's two int16 codes, or its 4 split bytes) as every 32-bit
+   lane of a zmm (memcpy: they were written as other types) */
+static inline __m512i bcast4(const void* p) { int32_t v; memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
 
 /* the AVX-512 builds' end of a block: R rows' 16 output sums acc plus the offsets' term (each group's offsets times
    the row's group sum, group by group), times each row's step xs, plus the bias, to y (ldy apart by row; nb <= 16
@@ -170,6 +175,20 @@ typedef void (*slab_block_fn)(const int16_t*, const float*, const float*, int64_
             i0 += r; \
         } \
     }
+
+/* The AVX-512 builds' blocks of up to 16 rows: `block` compiled for 1 to 16 rows and each format, and `slab` over
+   them, in even chunks of at most 16 rows */
+#define SLAB_BY_ROWS_16(block, f) {0, block##_1_##f, block##_2_##f, block##_3_##f, block##_4_##f, block##_5_##f, \
+    block##_6_##f, block##_7_##f, block##_8_##f, block##_9_##f, block##_10_##f, block##_11_##f, block##_12_##f, \
+    block##_13_##f, block##_14_##f, block##_15_##f, block##_16_##f}
+#define SLABS_16(block) \
+    SLAB_ROWS(block, 1) SLAB_ROWS(block, 2) SLAB_ROWS(block, 3) SLAB_ROWS(block, 4) SLAB_ROWS(block, 5) \
+    SLAB_ROWS(block, 6) SLAB_ROWS(block, 7) SLAB_ROWS(block, 8) SLAB_ROWS(block, 9) SLAB_ROWS(block, 10) \
+    SLAB_ROWS(block, 11) SLAB_ROWS(block, 12) SLAB_ROWS(block, 13) SLAB_ROWS(block, 14) SLAB_ROWS(block, 15) \
+    SLAB_ROWS(block, 16) \
+    static const slab_block_fn by_fmt[4][17] = {SLAB_BY_ROWS_16(block, 0), SLAB_BY_ROWS_16(block, 1), \
+                                                SLAB_BY_ROWS_16(block, 2), SLAB_BY_ROWS_16(block, 3)}; \
+    SLAB(by_fmt, 16)
 
 /* the library's one function, `dl_int8_linear` (int8_linear's arguments), over a build's own `slab`, activation
    grid, preparation and `reread` rows */

@@ -12,8 +12,9 @@
    after the last group; no lane sums. Before, a zmm held one output's whole group of 32 k (one vpmaddwd, a
    conversion and an FMA per row, output and group, lane sums at the end, blocks of 4 rows x 4 outputs), and prompt
    rows took a many-rows matmul (cpu_int8_rows.h, rows in the lanes); on an AMD Zen 5 (SmolLM2's 120 4-bit decoder
-   matrices with fp16 steps, 2 threads) this takes 0.85x that build's time at 1 row, 0.64x at 8, 0.46-0.49x from 16
-   rows on, and 0.72x / 0.81x / 0.86x the many-rows matmul's at 64 / 128 / 512 rows, which it no longer carries.
+   matrices with fp16 steps, 2 threads) this takes 0.85-0.93x that build's time at 1 row, 0.63-0.64x at 8, 0.46-0.51x
+   from 16 rows on, and 0.71-0.72x / 0.80-0.81x / 0.86-0.93x the many-rows matmul's at 64 / 128 / 512 rows (two
+   passes), which it no longer carries.
 
    Each row goes through the same operations whichever block computes it (a block is 1 to LANE_ROWS rows of one
    slab), so a row gives the same bits alone or in any batch (the AVX2 build's bits too: the same integer sums,
@@ -30,9 +31,6 @@
 #define BLOCK static inline __attribute__((always_inline)) void
 
 #define LANE_ROWS 16  /* rows a block: a k-group's codes are widened once for up to 16 rows */
-
-/* a row's two int16 codes at p as every lane of a zmm (memcpy: they were written as int16) */
-static inline __m512i pair(const int16_t* p) { int32_t v; memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
 
 /* R rows of xq (Kp apart; group sums Gp apart in xsum) times one packed slab of 16 outputs, its steps dp and offsets
    mp 16 a group; y, ldy apart by row: nb <= 16 outputs times each row's step xs, plus bias. R is a constant in each
@@ -59,8 +57,8 @@ BLOCK lanes(const int R, const int16_t* x, const float* xsum, const float* xs, i
         __m512 step = scales16(dp, half);
         for (int r = 0; r < R; r++) {
             const int16_t* xr = x + r * Kp + k;
-            __m512i t = _mm512_madd_epi16(w[0], pair(xr));
-            for (int q = 1; q < 16; q++) t = _mm512_add_epi32(t, _mm512_madd_epi16(w[q], pair(xr + 2 * q)));
+            __m512i t = _mm512_madd_epi16(w[0], bcast4(xr));
+            for (int q = 1; q < 16; q++) t = _mm512_add_epi32(t, _mm512_madd_epi16(w[q], bcast4(xr + 2 * q)));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), step, acc[r]);
         }
     }
@@ -68,14 +66,5 @@ BLOCK lanes(const int R, const int16_t* x, const float* xsum, const float* xs, i
 }
 
 /* `lanes` compiled for each row count (1 to LANE_ROWS) and each format, and `slab` over them (cpu_int8.h) */
-SLAB_ROWS(lanes, 1) SLAB_ROWS(lanes, 2) SLAB_ROWS(lanes, 3) SLAB_ROWS(lanes, 4) SLAB_ROWS(lanes, 5)
-SLAB_ROWS(lanes, 6) SLAB_ROWS(lanes, 7) SLAB_ROWS(lanes, 8) SLAB_ROWS(lanes, 9) SLAB_ROWS(lanes, 10)
-SLAB_ROWS(lanes, 11) SLAB_ROWS(lanes, 12) SLAB_ROWS(lanes, 13) SLAB_ROWS(lanes, 14) SLAB_ROWS(lanes, 15)
-SLAB_ROWS(lanes, 16)
-#define LANES_BY_ROWS(f) {0, lanes_1_##f, lanes_2_##f, lanes_3_##f, lanes_4_##f, lanes_5_##f, lanes_6_##f, \
-                          lanes_7_##f, lanes_8_##f, lanes_9_##f, lanes_10_##f, lanes_11_##f, lanes_12_##f, \
-                          lanes_13_##f, lanes_14_##f, lanes_15_##f, lanes_16_##f}
-static const slab_block_fn by_fmt[4][LANE_ROWS + 1] = {LANES_BY_ROWS(0), LANES_BY_ROWS(1), LANES_BY_ROWS(2),
-                                                       LANES_BY_ROWS(3)};
-SLAB(by_fmt, LANE_ROWS)
+SLABS_16(lanes)
 DL_INT8_LINEAR(slab, 32767.0f, 0, 0)  /* a slab is read once for up to 16 rows */

@@ -57,9 +57,6 @@ static int split_rows(int16_t* xq, int64_t M, int64_t Kp) {
 #define BLOCK static inline __attribute__((always_inline)) void
 #define WIDE_ROWS 16  /* rows a block: a k-group's weights are decoded once for up to 16 rows */
 
-/* a row's 4 activation bytes at p as every lane of a zmm (memcpy: the bytes were written as int16) */
-static inline __m512i quad(const int8_t* p) { int32_t v; memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
-
 /* R rows of split activations (2 * Kp bytes apart; group sums Gp apart in xsum) times one packed slab of 16
    outputs (`pack_wide`: a k-group's codes as 8 (4-bit: 4) zmm of 16 outputs x 4 neighbouring k), its steps dp and
    offsets mp 16 a group; y, ldy apart by row: nb <= 16 outputs times each row's step xs, plus bias. R is a
@@ -86,11 +83,11 @@ BLOCK wide(const int R, const int16_t* x, const float* xsum, const float* xs, in
         __m512 step = scales16(dp, half);
         for (int r = 0; r < R; r++) {
             const int8_t* hi = (const int8_t*)(x + r * Kp) + k, *lo = hi + Kp;
-            __m512i th = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], quad(hi));
-            __m512i tl = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], quad(lo));
+            __m512i th = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], bcast4(hi));
+            __m512i tl = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], bcast4(lo));
             for (int q = 1; q < 8; q++) {
-                th = _mm512_dpbusd_epi32(th, w[q], quad(hi + 4 * q));
-                tl = _mm512_dpbusd_epi32(tl, w[q], quad(lo + 4 * q));
+                th = _mm512_dpbusd_epi32(th, w[q], bcast4(hi + 4 * q));
+                tl = _mm512_dpbusd_epi32(tl, w[q], bcast4(lo + 4 * q));
             }
             __m512i t = _mm512_add_epi32(_mm512_slli_epi32(th, 8), tl);  /* w . x: (w . hi) * 256 + w . lo */
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), step, acc[r]);
@@ -99,16 +96,9 @@ BLOCK wide(const int R, const int16_t* x, const float* xsum, const float* xs, in
     slab_end16(R, acc, xsum, xs, Kp, Gp, mp, bias, y, ldy, nb, half);
 }
 
-/* `wide` compiled for each row count (1 to WIDE_ROWS) and each format, and `slab` over them (cpu_int8.h) */
-SLAB_ROWS(wide, 1) SLAB_ROWS(wide, 2) SLAB_ROWS(wide, 3) SLAB_ROWS(wide, 4) SLAB_ROWS(wide, 5) SLAB_ROWS(wide, 6)
-SLAB_ROWS(wide, 7) SLAB_ROWS(wide, 8) SLAB_ROWS(wide, 9) SLAB_ROWS(wide, 10) SLAB_ROWS(wide, 11) SLAB_ROWS(wide, 12)
-SLAB_ROWS(wide, 13) SLAB_ROWS(wide, 14) SLAB_ROWS(wide, 15) SLAB_ROWS(wide, 16)
-#define WIDE_BY_ROWS(f) {0, wide_1_##f, wide_2_##f, wide_3_##f, wide_4_##f, wide_5_##f, wide_6_##f, wide_7_##f, \
-                         wide_8_##f, wide_9_##f, wide_10_##f, wide_11_##f, wide_12_##f, wide_13_##f, wide_14_##f, \
-                         wide_15_##f, wide_16_##f}
-static const slab_block_fn by_fmt[4][WIDE_ROWS + 1] = {WIDE_BY_ROWS(0), WIDE_BY_ROWS(1), WIDE_BY_ROWS(2),
-                                                       WIDE_BY_ROWS(3)};
-SLAB(by_fmt, WIDE_ROWS)  /* every row of xq times one slab, in even chunks of at most WIDE_ROWS rows */
+/* `wide` compiled for each row count (1 to WIDE_ROWS) and each format, and `slab` over them, in even chunks of at
+   most WIDE_ROWS rows (cpu_int8.h) */
+SLABS_16(wide)
 
 DL_INT8_LINEAR(slab, XMAX, split_rows, 0)
 
