@@ -19,7 +19,6 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <strings.h>
 
 #define CHUNK 64
 #define MAX_D 256
@@ -30,10 +29,7 @@
    taking half of 8 sequences x ~100 tokens is 0.6x the time (AMD Zen 5, 2 threads) */
 static int64_t parallel_min(void) {
     static int64_t v = 0;  /* (a race here writes the same value) */
-    if (!v) {
-        const char* policy = getenv("OMP_WAIT_POLICY");
-        v = policy && strcasecmp(policy, "passive") == 0 ? 8192 : 1024;
-    }
+    if (!v) v = omp_passive() ? 8192 : 1024;
     return v;
 }
 

@@ -1,11 +1,22 @@
 /* What the sampler reads from a row of logits on x86 CPUs with AVX2 and FMA, in two passes over the row instead of
    PyTorch's ~8 (log_softmax, topk, and the entropy's exp, mask, product and sum, each over a 49k vocabulary):
-   the log-sum-exp, the entropy of the softmax, and the n largest logits. Rows are independent (no threads: a
-   decode step has a few rows). Built and loaded by kernels/cpu_logits.py. */
+   the log-sum-exp, the entropy of the softmax, and the n largest logits. Rows are independent: each is computed by
+   one thread, the same bits in any batch; a batch with enough of them splits them between threads (OpenMP,
+   PyTorch's libgomp, loaded first; `parallel_min`). Built and loaded by kernels/cpu_logits.py. */
 #include <immintrin.h>
 #include "cpu_simd.h"
 #include <math.h>
 #include <stdint.h>
+
+/* below this many logits in a batch its rows run on the calling thread. One 49k row takes ~23 us (AMD Zen 5); a
+   spinning second thread (OpenMP's default wait) takes half of two rows for a few us, but with
+   OMP_WAIT_POLICY=PASSIVE (play's default where the engine takes every core) waking it is a futex and a thread
+   that may have to wait for a core the browser holds: there, only batches of 8 such rows split */
+static int64_t parallel_min(void) {
+    static int64_t v = 0;  /* (a race here writes the same value) */
+    if (!v) v = omp_passive() ? (int64_t)6 << 16 : (int64_t)1 << 16;  /* 8 or 2 rows of 49152 */
+    return v;
+}
 
 /* insert (v, id) into the descending list vals/ids of length n (v beats its last entry) */
 static void insert(float* vals, int64_t* ids, int64_t n, float v, int64_t id) {
@@ -24,6 +35,7 @@ static void insert(float* vals, int64_t* ids, int64_t n, float v, int64_t id) {
    largest values in descending order: top_ids[s, :n] and top_lp[s, :n] = x - lse (log-probabilities). */
 void dl_logit_stats(const float* x, int64_t ldx, int64_t S, int64_t V, float* lse, float* ent, int64_t n,
                     int64_t* top_ids, float* top_lp) {
+    #pragma omp parallel for schedule(static) if (S > 1 && S * V >= parallel_min())
     for (int64_t s = 0; s < S; s++) {
         const float* xr = x + s * ldx;
         float* vals = top_lp + s * n;

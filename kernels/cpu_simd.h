@@ -1,6 +1,15 @@
 /* Helpers shared by the AVX2 kernels (cpu_*.c); kernels/_cbuild.py hashes this header with each source. */
 #pragma once
 #include <immintrin.h>
+#include <stdlib.h>
+#include <strings.h>
+
+/* whether OpenMP's threads sleep while they wait (OMP_WAIT_POLICY=PASSIVE, play's default where the engine takes
+   every core): waking one then costs a futex, so the kernels split less work between threads */
+static inline int omp_passive(void) {
+    const char* policy = getenv("OMP_WAIT_POLICY");
+    return policy && strcasecmp(policy, "passive") == 0;
+}
 
 /* the sum of v's 8 lanes */
 static inline float hsum(__m256 v) {

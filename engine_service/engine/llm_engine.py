@@ -177,7 +177,11 @@ class LLMEngine:
         pipeline or None) per item."""
         seqs = [s for s, _ in items]
         asked = [s.request.params.logprobs for s in seqs]
-        out = sample(logits[[r for _, r in items]], self._sampling_batch(seqs))
+        rows = [r for _, r in items]
+        first = rows[0]  # (run_isolated never passes an empty group)
+        # consecutive rows (a decode batch's are) as a view: the gather would copy them (25 MB at 128 x 49k)
+        picked = logits[first:first + len(rows)] if rows == list(range(first, first + len(rows))) else logits[rows]
+        out = sample(picked, self._sampling_batch(seqs))
         ents = out.entropy.tolist() if out.entropy is not None else [None] * len(items)
         masked = out.masked or [None] * len(items)
         stages = out.stages or [None] * len(items)

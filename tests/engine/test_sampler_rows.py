@@ -201,6 +201,18 @@ def test_the_engine_gives_the_same_outputs_with_the_greedy_fast_path_or_without(
     assert [a.token_ids for a in fast] == [a.token_ids for a in alone]
 
 
+def test_greedy_rows_behind_beams_sample_their_own_logits(tiny_llama_dir):
+    # the beams' rows come first in the step's logits, so the sampled rows start past row 0 (LLMEngine._sample
+    # takes consecutive rows as a view: it must start at theirs)
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=64, block_size=8, num_threads=1)
+    prompts = ["Once upon a time", "The capital of France is", "Readability counts."]
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    params = [SamplingParams(mode="beam", beam_width=3, max_tokens=10, ignore_eos=True), greedy, greedy]
+    together = llm.generate(prompts, params)
+    for prompt, out in zip(prompts[1:], together[1:]):
+        assert out.outputs[0].token_ids == llm.generate([prompt], [greedy])[0].outputs[0].token_ids
+
+
 @settings(max_examples=80, deadline=None)
 @given(seed=st.integers(0, 2 ** 16), vocab=st.integers(2, 3000), rows=st.integers(1, 4),
        top_p=st.sampled_from([0.99, 0.95, 0.9, 0.5, 0.1, 1e-4]), scale=st.sampled_from([0.2, 1.0, 3.0, 8.0]),
