@@ -8,10 +8,11 @@
 #include <math.h>
 #include <stdint.h>
 
-/* below this many logits in a batch its rows run on the calling thread. One 49k row takes ~23 us (AMD Zen 5); a
-   spinning second thread (OpenMP's default wait) takes half of two rows for a few us, but with
-   OMP_WAIT_POLICY=PASSIVE (play's default where the engine takes every core) waking it is a futex and a thread
-   that may have to wait for a core the browser holds: there, only batches of 8 such rows split */
+/* below this many logits in a batch its rows run on the calling thread. One 49k row takes ~23 us (AMD Zen 5, 2
+   threads): with the other thread spinning (OpenMP's default wait) 2 rows take 26 us instead of 42, 128 rows 1.5 ms
+   instead of 2.9. With OMP_WAIT_POLICY=PASSIVE (play's default where the engine takes every core) waking it is a
+   futex, and a core the browser may hold: there only batches of 8 such rows split (not timed; the attention
+   kernel's parallel_min reasons the same way) */
 static int64_t parallel_min(void) {
     static int64_t v = 0;  /* (a race here writes the same value) */
     if (!v) v = omp_passive() ? (int64_t)6 << 16 : (int64_t)1 << 16;  /* 8 or 2 rows of 49152 */

@@ -54,6 +54,21 @@ def test_logit_stats_are_the_float64_ones(rows, vocab, n, pad, scale, masked, ti
         assert all(torch.equal(a[0], b[i]) for a, b in zip(one, (lse, ent, ids, lp)))
 
 
+def test_a_batch_split_between_threads_gives_each_row_its_bits_alone():
+    # from 2 rows of 49k the kernel's rows run on OpenMP's threads (parallel_min): with two of them, a 128-row batch
+    # (as a 128-sequence decode step) gives each row what it gets alone
+    x = torch.randn(128, 49152, generator=torch.Generator().manual_seed(3)) * 4
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        batch = cpu_logits.logit_stats(x, 5)
+    finally:
+        torch.set_num_threads(threads)
+    for i in range(0, 128, 9):
+        one = cpu_logits.logit_stats(x[i:i + 1], 5)
+        assert all(torch.equal(a[0], b[i]) for a, b in zip(one, batch))
+
+
 def test_impossible_tokens_count_zero_in_the_entropy():
     x = torch.tensor([[0.0, 0.0, float("-inf"), float("-inf")] * 3])
     lse, ent, ids, lp = cpu_logits.logit_stats(x, 2)
