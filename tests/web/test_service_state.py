@@ -1,6 +1,9 @@
 """What the playground reads from Redis besides the streams: queue positions, and a replica that goes away."""
 from __future__ import annotations
 
+import asyncio
+import time
+
 import redis
 import redis.asyncio as aioredis
 from gradio_client import Client
@@ -80,3 +83,68 @@ def test_a_session_over_its_request_limit_sees_too_many_requests_not_queue_full(
         assert [c.status for c in session_run.columns.values()].count("cancelled") == 1
 
     run(main(), 20)
+
+
+
+def _tiny_run(redis_server, keys, max_tokens: int):
+    from web.modes import Settings
+    from web.session import Run, Service
+
+    return Run(Service(redis_server.url, keys), Settings(prompt="Once upon a time", chat=False, max_tokens=max_tokens,
+                                                         model="tiny"), share_prompt=False)
+
+
+def test_the_runs_end_is_drawn_at_once_not_a_pace_later(redis_server, tiny_stack):
+    """Frames wait out a budget (min_interval, or the last frame's size: Run.pace) before the next, but the run's
+    end goes out when it happens: a pace of 30 s here would hold the last frame past the test's timeout."""
+    session_run = _tiny_run(redis_server, tiny_stack[2], 8)
+
+    async def main():
+        frames = 0
+        async for _ in session_run.updates(min_interval=0.01):
+            frames += 1
+            if any(c.first_token_at for c in session_run.columns.values()):
+                session_run.pace = 30.0
+        return frames
+
+    assert run(main(), 20) >= 2
+    assert [c.status for c in session_run.columns.values()] == ["done"] * 4, session_run.columns
+
+
+def test_the_runs_first_token_is_drawn_at_once_not_a_pace_later(redis_server, tiny_llama_dir):
+    """Before any frame has shown a token, the first one to arrive cuts the pause short (here a pace of 30 s): the
+    replica starts only once the requests are queued, so their first token arrives during such a pause."""
+    from engine_service.engine.llm_engine import LLMEngine
+    from engine_service.server.config import ReplicaConfig
+    from engine_service.server.replica import Replica
+
+    keys = _keys("first")
+    engine = LLMEngine(model=str(tiny_llama_dir), num_kv_blocks=TINY_KV_BLOCKS, max_num_seqs=16, num_threads=1)
+    worker = Replica(engine, ReplicaConfig(redis_server.url, keys=keys, name="late", model_name="tiny"))
+    session_run = _tiny_run(redis_server, keys, 1500)  # runs on long after its first token
+    started = []
+
+    async def start_when_queued():
+        while not all(c.entry_id for c in session_run.columns.values()):
+            await asyncio.sleep(0.01)
+        started.append(await asyncio.to_thread(worker.start))
+
+    async def main():
+        starter = asyncio.create_task(start_when_queued())
+        async for _ in session_run.updates(min_interval=0.01):
+            session_run.pace = 30.0
+            firsts = [c.first_token_at for c in session_run.columns.values() if c.first_token_at]
+            if firsts:
+                session_run.stop()
+                await starter
+                return time.time() - min(firsts)
+
+    try:
+        gap = run(main(), 30)
+        assert gap is not None, [(c.status, c.error) for c in session_run.columns.values()]
+        assert gap < 1.0
+    finally:
+        if started:
+            worker.stop()
+        for rid in list(engine.requests):
+            engine.abort(rid)
