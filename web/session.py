@@ -93,7 +93,7 @@ class Run:
         self._tasks: list[asyncio.Task] = []
         self._prefilled = asyncio.Event()
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.pace = 0.0  # the caller's minimum pause before the next update (e.g. from the size of the last one)
+        self.pace = 0.0  # the caller's pause before the next update (from the last one's size), unless _urgent
         self.shared: str | None = None  # a saved run re-opened (web/share.py): its link id or file name; read-only
 
     @property

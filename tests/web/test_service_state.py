@@ -1,4 +1,5 @@
-"""What the playground reads from Redis besides the streams: queue positions, and a replica that goes away."""
+"""What the playground reads from Redis besides the streams (queue positions, a replica that goes away), and when a
+run's frames go out."""
 from __future__ import annotations
 
 import asyncio
@@ -83,7 +84,6 @@ def test_a_session_over_its_request_limit_sees_too_many_requests_not_queue_full(
         assert [c.status for c in session_run.columns.values()].count("cancelled") == 1
 
     run(main(), 20)
-
 
 
 def _tiny_run(redis_server, keys, max_tokens: int):
