@@ -109,7 +109,10 @@ class Run:
     def _urgent(self) -> bool:
         """Whether the next frame should go out without waiting out its budget: every column has ended (the last
         tokens and their final state), or the run's first token is in and no frame has shown one yet."""
-        return self.finished or (not self._shown_token and any(c.first_token_at for c in self._roots()))
+        return self.finished or (not self._shown_token and self._has_token())
+
+    def _has_token(self) -> bool:
+        return any(c.first_token_at for c in self._roots())
 
     async def _pause(self, seconds: float) -> None:
         """Wait `seconds` before the next frame, unless something urgent comes first (or is already here)."""
@@ -177,7 +180,7 @@ class Run:
                     for col in self._roots():
                         if not col.finished:
                             col.fail("stopped before the replica confirmed", "cancelled", "cancelled")
-                self._shown_token = any(c.first_token_at for c in self._roots())  # what the frame drawn now holds
+                self._shown_token = self._has_token()  # what the frame drawn now holds
                 yield
                 # the next frame waits out the budget (min_interval, or the last frame's size: pace), but not for
                 # the first token or the run's end (without that, the end came up to a pace late: ~0.4 s by 64

@@ -34,15 +34,20 @@ def test_queue_position_counts_the_entries_no_replica_has_taken(redis_server):
     run(main(), 10)
 
 
-def test_a_replica_that_goes_away_mid_run_ends_the_run_with_a_message(redis_server, tiny_llama_dir):
+def _in_process_replica(redis_server, tiny_llama_dir, keys, name: str, **config):
+    """(engine, replica) of the tiny model in this process, not started: a test decides when it comes and goes."""
     from engine_service.engine.llm_engine import LLMEngine
     from engine_service.server.config import ReplicaConfig
     from engine_service.server.replica import Replica
 
-    keys = _keys("dies")
     engine = LLMEngine(model=str(tiny_llama_dir), num_kv_blocks=TINY_KV_BLOCKS, max_num_seqs=16, num_threads=1)
-    worker = Replica(engine, ReplicaConfig(redis_server.url, keys=keys, name="doomed", model_name="tiny",
-                                         claim_idle_s=2.0)).start()
+    return engine, Replica(engine, ReplicaConfig(redis_server.url, keys=keys, name=name, model_name="tiny", **config))
+
+
+def test_a_replica_that_goes_away_mid_run_ends_the_run_with_a_message(redis_server, tiny_llama_dir):
+    keys = _keys("dies")
+    engine, worker = _in_process_replica(redis_server, tiny_llama_dir, keys, "doomed", claim_idle_s=2.0)
+    worker.start()
     web = WebApp(redis_server.url, keys, replica_gone_s=1.0)
     try:
         sync = redis.Redis.from_url(redis_server.url)
@@ -114,13 +119,8 @@ def test_the_runs_end_is_drawn_at_once_not_a_pace_later(redis_server, tiny_stack
 def test_the_runs_first_token_is_drawn_at_once_not_a_pace_later(redis_server, tiny_llama_dir):
     """Before any frame has shown a token, the first one to arrive cuts the pause short (here a pace of 30 s): the
     replica starts only once the requests are queued, so their first token arrives during such a pause."""
-    from engine_service.engine.llm_engine import LLMEngine
-    from engine_service.server.config import ReplicaConfig
-    from engine_service.server.replica import Replica
-
     keys = _keys("first")
-    engine = LLMEngine(model=str(tiny_llama_dir), num_kv_blocks=TINY_KV_BLOCKS, max_num_seqs=16, num_threads=1)
-    worker = Replica(engine, ReplicaConfig(redis_server.url, keys=keys, name="late", model_name="tiny"))
+    engine, worker = _in_process_replica(redis_server, tiny_llama_dir, keys, "late")
     session_run = _tiny_run(redis_server, keys, 1500)  # runs on long after its first token
     started = []
 
