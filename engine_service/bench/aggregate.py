@@ -5,15 +5,16 @@ llama-cpp-python vendors with this CPU's GGML flags (bench/llamacpp_build.py), o
 loads, with the same threads. Ours: a private Redis and one `decodelab engine` replica (int8 unless told; its own
 OpenAI API, or `--via front` through `decodelab api`).
 
-Per server, with the `openai` client: a warm-up; `--runs` single streams (TPOT = (last text chunk - first) /
-(tokens - 1), the median over runs); then `--runs` bursts of `--streams` concurrent streaming completions, greedy
-(temperature 0), `ignore_eos`, `--max-tokens` each, the same prompts for both servers (fresh words every run: no
-prompt cache hit between runs). A burst's aggregate tok/s = generated tokens / wall time (first request sent to last
-stream done); the JSON has every run, the best and the median, and ours / llama-server's ratios. `ours.replica_steps`
-reads our replica's own step records back from Redis: its median decode step with all streams in it during the
-bursts (to set beside the in-process step of `bench throughput` / `step_profile`: what serving on the same cores
-costs), the steps' share of the bursts' wall time and prefill's share of the steps. Tokens are the
-server's `usage.completion_tokens`, else the count of text chunks.
+Per server, through the same client (`--client http`, the default: aiohttp reading the events itself, lean on the
+cores it shares with the server; `--client openai`: the official package, ~4x its CPU a chunk): a warm-up; `--runs`
+single streams (TPOT = (last text chunk - first) / (tokens - 1), the median over runs); then `--runs` bursts of
+`--streams` concurrent streaming completions, greedy (temperature 0), `ignore_eos`, `--max-tokens` each, the same
+prompts for both servers (fresh words every run: no prompt cache hit between runs). A burst's aggregate tok/s =
+generated tokens / wall time (first request sent to last stream done); the JSON has every run, the best and the
+median, and ours / llama-server's ratios. `ours.replica_steps` reads our replica's own step records back from Redis:
+its median decode step with all streams in it during the bursts (to set beside the in-process step of `bench
+throughput` / `step_profile`: what serving on the same cores costs), the steps' share of the bursts' wall time and
+prefill's share of the steps. Tokens are the server's `usage.completion_tokens`, else the count of text chunks.
 
 `--order interleaved` (the default): both servers up, idle between their turns, and each run of one taken right
 after the same run of the other (the order flipping every run), so that each pair shares a minute of the machine:
@@ -26,6 +27,7 @@ Writes benchmarks/results/aggregate.json and aggregate.png.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import sys
@@ -59,6 +61,8 @@ def add_parser(bench_sub, add_engine_args) -> None:
     p.add_argument("--skip", default="", help="comma-separated: llama, ours (e.g. to time one side)")
     p.add_argument("--order", default="interleaved", choices=["interleaved", "sequential"],
                    help="interleaved: both servers up, each run of one beside the same run of the other")
+    p.add_argument("--client", default="http", choices=list(CLIENTS),
+                   help="the load generator: http (aiohttp, lean on the shared cores) or openai (the official package)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results")
     p.set_defaults(func=run)
@@ -132,10 +136,18 @@ def prompts_for(seed: int, n: int, words: int) -> list[str]:
     return [f"Story {seed}-{i}: " + " ".join(rng.choice(WORDS) for _ in range(words)) for i in range(n)]
 
 
+def request_body(model: str, prompt: str, max_tokens: int) -> dict:
+    """One streamed completion of exactly `max_tokens` greedy tokens (ignore_eos), usage in the last chunk."""
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": True}
+
+
 async def stream_one(client, model: str, prompt: str, max_tokens: int) -> StreamTrace:
+    """Through the official `openai` package's AsyncOpenAI `client`."""
+    body = request_body(model, prompt, max_tokens)
     trace = StreamTrace(time.perf_counter())
     stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                             stream=True, stream_options={"include_usage": True},
+                                             stream=True, stream_options=body["stream_options"],
                                              extra_body={"ignore_eos": True})
     usage = None
     async for chunk in stream:
@@ -150,6 +162,72 @@ async def stream_one(client, model: str, prompt: str, max_tokens: int) -> Stream
     return trace
 
 
+class HttpClient:
+    """The default load generator: aiohttp, reading the server-sent events itself, as vLLM's and SGLang's serving
+    benchmarks do. The client runs on the cores the server computes on, so its CPU a chunk is taken from the server's
+    steps: the `openai` package's models cost ~0.2 ms a chunk (at 8 streams 9.7% of a core against this one's 2.4%,
+    session 36), which stretched our replica's 8-row step from 13.4 to 17 ms, and llama-server's ~30 ms ones less."""
+
+    def __init__(self, base_url: str):
+        self.url = f"{base_url}/v1/completions"
+        self.session = None  # made in the event loop that streams (aiohttp asks for a running one)
+
+    def _session(self):
+        import aiohttp
+
+        if self.session is None:  # a connection per request: a pooled keep-alive one the server has just closed
+            self.session = aiohttp.ClientSession(  # fails mid-send (seen with llama-server)
+                connector=aiohttp.TCPConnector(force_close=True), timeout=aiohttp.ClientTimeout(total=900))
+        return self.session
+
+    async def stream(self, model: str, prompt: str, max_tokens: int) -> StreamTrace:
+        trace, usage = StreamTrace(time.perf_counter()), None
+        async with self._session().post(self.url, json=request_body(model, prompt, max_tokens)) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"{self.url}: HTTP {resp.status}: {(await resp.text())[:300]}")
+            async for line in resp.content:  # one SSE line at a time
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                now, chunk = time.perf_counter(), json.loads(data)
+                if "error" in chunk:
+                    raise RuntimeError(f"{self.url}: error mid-stream: {chunk['error']}")
+                usage = chunk.get("usage") or usage
+                for choice in chunk.get("choices") or ():
+                    if choice.get("text"):
+                        trace.chunks.append(now)
+                    trace.finish = choice.get("finish_reason") or trace.finish
+        trace.done = time.perf_counter()
+        trace.tokens = usage["completion_tokens"] if usage else len(trace.chunks)
+        return trace
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+
+class OpenAIClient:
+    """`--client openai`: the official package (every figure before session 36 came through it)."""
+
+    def __init__(self, base_url: str):
+        from openai import AsyncOpenAI
+
+        # retries: a pooled keep-alive connection the server has just closed fails before any byte comes back (seen
+        # once with llama-server at the first burst); the client then sends the request again, nothing counted twice
+        self.client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", timeout=900, max_retries=2)
+
+    async def stream(self, model: str, prompt: str, max_tokens: int) -> StreamTrace:
+        return await stream_one(self.client, model, prompt, max_tokens)
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+CLIENTS = {"http": HttpClient, "openai": OpenAIClient}
+
+
 def run_order(labels: list[str], r: int) -> list[str]:
     """Who goes first in run r: flipped every run, so a drifting machine favours neither side."""
     return labels if r % 2 == 0 else labels[::-1]
@@ -158,12 +236,7 @@ def run_order(labels: list[str], r: int) -> list[str]:
 async def measure(sides: dict[str, tuple[str, str]], args) -> dict[str, dict]:
     """label -> (base URL, model name): warm-ups, single streams, then bursts of `args.streams`, run by run, each
     run of every side in turn (the order flipping every run); prints as it goes."""
-    from openai import AsyncOpenAI
-
-    # retries: a pooled keep-alive connection the server has just closed fails before any byte comes back (seen once
-    # with llama-server at the first burst); the client then sends the request again, nothing counted twice
-    clients = {label: AsyncOpenAI(base_url=f"{url}/v1", api_key="none", timeout=900, max_retries=2)
-               for label, (url, _) in sides.items()}
+    clients = {label: CLIENTS[args.client](url) for label, (url, _) in sides.items()}
     singles: dict[str, list] = {label: [] for label in sides}
     bursts: dict[str, list] = {label: [] for label in sides}
 
@@ -172,11 +245,11 @@ async def measure(sides: dict[str, tuple[str, str]], args) -> dict[str, dict]:
 
     try:
         for _, client, model in turns(0):  # warm-up
-            await asyncio.gather(*(stream_one(client, model, p, 4) for p in prompts_for(-1, 2, 8)))
+            await asyncio.gather(*(client.stream(model, p, 4) for p in prompts_for(-1, 2, 8)))
         for r in range(args.runs):
             for label, client, model in turns(r):
-                trace = await stream_one(client, model, prompts_for(1000 + args.seed + r, 1, args.prompt_words)[0],
-                                         args.max_tokens)
+                trace = await client.stream(model, prompts_for(1000 + args.seed + r, 1, args.prompt_words)[0],
+                                           args.max_tokens)
                 singles[label].append({"tpot_ms": tpot_s(trace) * 1e3, "tokens": trace.tokens,
                                        "finish": trace.finish})
                 print(f"{label}: single stream, run {r + 1}: TPOT {singles[label][-1]['tpot_ms']:.2f} ms", flush=True)
@@ -185,7 +258,7 @@ async def measure(sides: dict[str, tuple[str, str]], args) -> dict[str, dict]:
             for label, client, model in turns(r):
                 start = time.time()
                 b = burst_summary(list(await asyncio.gather(
-                    *(stream_one(client, model, p, args.max_tokens) for p in prompts))))
+                    *(client.stream(model, p, args.max_tokens) for p in prompts))))
                 b["window"] = [start, time.time()]
                 bursts[label].append(b)
                 print(f"{label}: {args.streams} streams, run {r + 1}: {b['tok_per_s']:.1f} tok/s "
@@ -301,7 +374,7 @@ def run(args) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     res = {"benchmark": "aggregate", "model": args.model, "gguf": str(gguf), "threads": args.threads,
            "streams": args.streams, "max_tokens": args.max_tokens, "prompt_words": args.prompt_words,
-           "runs": args.runs, "cpu": cpu_info()}
+           "runs": args.runs, "client": args.client, "cpu": cpu_info()}
     with ExitStack() as servers:
         sides: dict[str, tuple[str, str]] = {}
         if "llama" not in skip:
@@ -369,8 +442,8 @@ def plot(res: dict, path) -> None:
     flags = " ".join(f.removeprefix("-DGGML_") for f in res.get("llama_server", {}).get("build", {})
                      .get("cmake_flags", []))
     ratio = res.get("ratios")
-    fig.suptitle(f"{Path(res['gguf']).name}, {res['threads']} threads, {res['max_tokens']} tokens/stream; "
-                 f"{res['cpu']['label']}\nllama.cpp flags: {flags or 'n/a'}"
+    fig.suptitle(f"{Path(res['gguf']).name}, {res['threads']} threads, {res['max_tokens']} tokens/stream, "
+                 f"{res.get('client', 'openai')} client; {res['cpu']['label']}\nllama.cpp flags: {flags or 'n/a'}"
                  + (f"; ours/llama-server {ratio['aggregate_best']:.2f}x aggregate, {ratio['single_stream']:.2f}x "
                     "single" if ratio else ""), fontsize=9)
     fig.tight_layout()

