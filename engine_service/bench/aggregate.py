@@ -142,26 +142,6 @@ def request_body(model: str, prompt: str, max_tokens: int) -> dict:
             "stream_options": {"include_usage": True}, "ignore_eos": True}
 
 
-async def stream_one(client, model: str, prompt: str, max_tokens: int) -> StreamTrace:
-    """Through the official `openai` package's AsyncOpenAI `client`."""
-    body = request_body(model, prompt, max_tokens)
-    trace = StreamTrace(time.perf_counter())
-    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                             stream=True, stream_options=body["stream_options"],
-                                             extra_body={"ignore_eos": True})
-    usage = None
-    async for chunk in stream:
-        now = time.perf_counter()
-        usage = chunk.usage or usage
-        for choice in chunk.choices:
-            if choice.text:
-                trace.chunks.append(now)
-            trace.finish = choice.finish_reason or trace.finish
-    trace.done = time.perf_counter()
-    trace.tokens = usage.completion_tokens if usage is not None else len(trace.chunks)
-    return trace
-
-
 class HttpClient:
     """The default load generator: aiohttp, reading the server-sent events itself, as vLLM's and SGLang's serving
     benchmarks do. The client runs on the cores the server computes on, so its CPU a chunk is taken from the server's
@@ -209,7 +189,8 @@ class HttpClient:
 
 
 class OpenAIClient:
-    """`--client openai`: the official package (every figure before session 36 came through it)."""
+    """`--client openai`: the official package (every figure before session 36 came through it), the same request as
+    `request_body` (what the package has no parameter for goes in `extra_body`)."""
 
     def __init__(self, base_url: str):
         from openai import AsyncOpenAI
@@ -219,7 +200,20 @@ class OpenAIClient:
         self.client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", timeout=900, max_retries=2)
 
     async def stream(self, model: str, prompt: str, max_tokens: int) -> StreamTrace:
-        return await stream_one(self.client, model, prompt, max_tokens)
+        trace, usage = StreamTrace(time.perf_counter()), None
+        stream = await self.client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                                      stream=True, stream_options={"include_usage": True},
+                                                      extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            now = time.perf_counter()
+            usage = chunk.usage or usage
+            for choice in chunk.choices:
+                if choice.text:
+                    trace.chunks.append(now)
+                trace.finish = choice.finish_reason or trace.finish
+        trace.done = time.perf_counter()
+        trace.tokens = usage.completion_tokens if usage is not None else len(trace.chunks)
+        return trace
 
     async def close(self) -> None:
         await self.client.close()
