@@ -131,14 +131,21 @@ class SamplerOutput:
         return out
 
 
+# where an extreme penalty takes a finite logit at most: still finite after the smallest temperature divides it
+# (1e30 / SAMPLING_EPS < float32's 3.4e38), so no +inf (and no NaN after softmax) reaches a draw
+PENALISED_BOUND = 1e30
+
+
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
     # a mask, not gather/scatter: padding (-1) scattered onto a real id could overwrite its penalty
     vocab = logits.shape[1]
     mask = torch.zeros(logits.shape[0], vocab + 1, dtype=torch.bool, device=logits.device)
     mask.scatter_(1, torch.where(seen >= 0, seen, vocab), True)
-    p = penalty[:, None]
-    penalised = torch.where(logits < 0, logits * p, logits / p)
-    return torch.where(mask[:, :vocab], penalised, logits)
+    # a penalty below float32's range (5e-324 passes validation) would be 0: logits / 0 = inf, 0 / 0 = NaN
+    p = penalty[:, None].clamp(min=torch.finfo(logits.dtype).tiny)
+    penalised = torch.where(logits < 0, logits * p, logits / p).clamp(-PENALISED_BOUND, PENALISED_BOUND)
+    # a masked (-inf) logit stays masked: a grammar's or min_tokens' ban is not the penalty's to lift
+    return torch.where(mask[:, :vocab] & logits.isfinite(), penalised, logits)
 
 
 def apply_presence_frequency(logits: torch.Tensor, outputs: torch.Tensor, presence: torch.Tensor,

@@ -8,6 +8,7 @@ import pytest
 from engine_service import LLM, SamplingParams
 from engine_service.engine import llm_engine, spec_decode
 from engine_service.engine.beam import BeamSearch
+from engine_service.engine.sampler import PENALISED_BOUND
 
 THREADS = int(os.environ.get("OMP_NUM_THREADS", "0")) or None
 PROMPT = {"prompt_token_ids": list(range(512))}  # every id: the n-gram proposer always has drafts
@@ -76,20 +77,21 @@ def test_a_near_zero_temperature_beside_others_leaves_them_as_alone(llm, alone):
 
 # ---- a request that makes its step raise
 
-# a penalty this small is 0 in float32: the penalised logits of the request that asks for it are +inf
+# a penalty this small takes the request's seen positive logits to the penalty's bound (finite since session 36)
 POISONED = SamplingParams(mode="speculative", temperature=1.0, repetition_penalty=1e-300, max_tokens=12,
                           ignore_eos=True)
 
 
 @pytest.fixture
 def strict_verify(monkeypatch):
-    """A verifier that refuses POISONED's non-finite probabilities once it has drafts to check (as a
-    rejection sampler's torch.multinomial does): by then the healthy speculative requests have drafts too."""
+    """A verifier that refuses POISONED's logits at the penalty's bound once it has drafts to check (as a
+    rejection sampler's torch.multinomial refuses what it cannot draw from): by then the healthy speculative
+    requests have drafts too."""
     real = spec_decode.verify
 
     def verify(processed, drafts, *args, **kwargs):
-        if drafts and bool(processed.isposinf().any() or processed.isnan().any()):
-            raise RuntimeError("probabilities are not finite")
+        if drafts and bool((processed >= PENALISED_BOUND).any()):
+            raise RuntimeError("logits at the penalty's bound")
         return real(processed, drafts, *args, **kwargs)
 
     monkeypatch.setattr(spec_decode, "verify", verify)
@@ -98,7 +100,7 @@ def strict_verify(monkeypatch):
 def test_a_request_whose_verification_raises_ends_alone_with_an_error(llm, alone, strict_verify):
     finals = run_beside_healthy(llm, POISONED)
     assert finals["bad"].finished and finals["bad"].outputs[0].finish_reason == "error"
-    assert "not finite" in finals["bad"].error
+    assert "penalty's bound" in finals["bad"].error
     assert_healthy_as_alone(finals, alone)
     assert finals["spec-seeded"].metrics.spec == alone["spec-seeded"].metrics.spec  # the failed attempt not counted
 

@@ -94,6 +94,26 @@ def test_repetition_penalty_equals_hf_on_padded_rows(penalty):
         assert torch.equal(ours[row], hf_process(logits[row], case, seen)), f"row {row}, seen {seen}"
 
 
+@pytest.mark.parametrize("penalty", [5e-324, 1e-300, 1e-30, 1e30, 1e300])
+@pytest.mark.parametrize("temperature", [1.0, 1e-5])
+def test_an_extreme_repetition_penalty_keeps_every_logit_finite_and_every_ban(penalty, temperature):
+    """What validation lets through (any finite penalty > 0; 5e-324 is 0 in float32) leaves no +inf or NaN for the
+    draw (an engine error under a grammar's mask, found by the API fuzz test), and no banned token unbanned."""
+    logits = random_logits(len(SEEN), 5)
+    logits[:, 0] = 0.0  # 0 / a penalty of 0 would be NaN
+    logits[:, 5] = float("-inf")  # banned (a grammar, min_tokens), and seen in rows 0 and 2
+    batch = make_batch([dict(repetition_penalty=penalty, temperature=temperature)] * len(SEEN), SEEN)
+    ours = process_logits(logits.clone(), batch)
+    assert not ours.isnan().any() and not ours.isposinf().any()
+    assert ours[:, 5].isneginf().all() and ours[:, [i for i in range(VOCAB) if i != 5]].isfinite().all()
+    drawn = sample(logits.clone(), batch).token_ids.tolist()
+    for row, (token, seen) in enumerate(zip(drawn, SEEN)):
+        assert token != 5
+        favoured = [t for t in seen if t != 5 and logits[row, t] > 0]
+        if penalty < 1 and favoured:  # a tiny penalty makes seen positive logits win outright
+            assert token in favoured, (row, token, seen)
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
 def test_2000_draws_land_only_in_the_support(case):
     torch.manual_seed(0)

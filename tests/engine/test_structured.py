@@ -203,6 +203,23 @@ def test_without_a_grammar_beam_search_keeps_hf_rules():
         ([DIGIT, DIGIT, DIGIT], "length"), ([DIGIT, DIGIT, CLOSE], "length")]
 
 
+@pytest.mark.parametrize("mode", ["sample", "speculative", "beam"])
+@pytest.mark.parametrize("penalty", [5e-324, 1e300])
+def test_an_extreme_repetition_penalty_under_a_grammar_still_draws_what_the_grammar_allows(tiny_llm, mode, penalty):
+    """Found by the API fuzz test (session 36): repetition_penalty 5e-324 (0 in float32) made a seen logit +inf,
+    the draw NaN, and the drawn token one the grammar refused: an engine error for that request."""
+    extra = dict(beam_width=2) if mode == "beam" else {}
+    for temperature in (1.0, 0.0):
+        out = tiny_llm.generate("\u00dc\u00cd\u00f0W\u00a9\u00fa+4 eu", SamplingParams(
+            mode=mode, temperature=temperature, repetition_penalty=penalty, max_tokens=24, **extra,
+            structured_outputs=S(json_object=True)))[0]
+        assert out.error is None
+        for o in out.outputs:
+            assert o.finish_reason in ("stop", "length"), o
+            if o.finish_reason == "stop":
+                assert isinstance(load_json(o.text), dict), o.text
+
+
 @pytest.mark.parametrize("width", [2, 3, 4, 8])
 def test_beam_search_under_a_json_schema_returns_whole_documents(tiny_llm, width):
     """The tiny random model writes long numbers; before the rule above, widths 3, 4, 6 and 8 returned outputs cut
