@@ -270,10 +270,10 @@ class LLMEngine:
         return self._structured.new_state(params.structured_outputs, self._grammar_stop_ids(params))
 
     def _grammar_stop_ids(self, p: SamplingParams) -> set[int]:
-        """What a grammar ends on: the request's stop tokens, or EOS when it ignores EOS and names none."""
-        if p.structured_outputs is None:
-            return set()
-        return self._stop_ids(p) or set(self.eos_token_ids)
+        """What a grammar ends on: the model's EOS, as in vLLM. A request's stop_token_ids stop its output where
+        they are drawn, as without a grammar; made the grammar's stop tokens, they would take from it a token its
+        text needs (stop_token_ids=[id of "x"] under `root ::= "x"...`: nothing allowed at the start)."""
+        return set(self.eos_token_ids) if p.structured_outputs is not None else set()
 
     def _stop_ids(self, p: SamplingParams) -> set[int]:
         return set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)

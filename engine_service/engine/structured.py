@@ -11,7 +11,8 @@ the logits' width) from the row's matcher; the sampler applies it to the logits 
 model's, renormalised over what the grammar allows. The reported log-probs stay the raw model's.
 
 - greedy / sample: mask, draw, `GrammarState.accept(token)`; a matcher that terminates (it accepted one of its
-  stop tokens: the request's EOS / stop ids) ends the sequence with finish_reason "stop".
+  stop tokens: the model's EOS) ends the sequence with finish_reason "stop"; a request's stop_token_ids stop it
+  where they are drawn, as without a grammar.
 - beam search: each beam owns a matcher; a forked beam gets `matcher.fork()` (a deep copy of the parse state)
   before either beam moves on, so both continue from the parent's state with no replay.
 - speculative: drafts are cut at the first token the grammar refuses (`valid_prefix`); verification asks
@@ -134,7 +135,7 @@ def masks(rows: list[tuple[GrammarState | None, list[int]]], vocab_size: int) ->
     extra: dict[int, list[int]] = {}  # id(state) -> tokens accepted for these rows only
     states: dict[int, GrammarState] = {}
     try:
-        masked = _fill(rows, bitmask, extra, states)
+        masked = _fill(rows, bitmask, extra, states, vocab_size)
     finally:  # every matcher back right after what its sequence holds
         for key, have in extra.items():
             if have:
@@ -142,8 +143,14 @@ def masks(rows: list[tuple[GrammarState | None, list[int]]], vocab_size: int) ->
     return GrammarMask(bitmask, masked) if masked else None
 
 
+def _allows_any(row: torch.Tensor, vocab_size: int) -> bool:
+    """Whether a bitmask row allows some token of the vocabulary (xgrammar may leave the bits past it set)."""
+    full, rest = divmod(vocab_size, 32)
+    return bool(row[:full].any()) or (rest > 0 and int(row[full]) & ((1 << rest) - 1) != 0)
+
+
 def _fill(rows: list[tuple[GrammarState | None, list[int]]], bitmask: torch.Tensor, extra: dict[int, list[int]],
-          states: dict[int, GrammarState]) -> list[int]:
+          states: dict[int, GrammarState], vocab_size: int) -> list[int]:
     masked = []
     for i, (state, ids) in enumerate(rows):
         if state is None:
@@ -165,6 +172,8 @@ def _fill(rows: list[tuple[GrammarState | None, list[int]]], bitmask: torch.Tens
             have.append(token)
         if ok and not state.terminated:
             state.matcher.fill_next_token_bitmask(bitmask, i)
+            if not _allows_any(bitmask[i], vocab_size):  # a draw from nothing: the request ends (isolation.py)
+                raise _fail(f"the grammar allows no token of this vocabulary after {len(ids)} output tokens")
             masked.append(i)
     return masked
 

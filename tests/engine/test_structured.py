@@ -17,7 +17,7 @@ from engine_service.engine.llm import LLM
 from engine_service.engine.llm_engine import LLMEngine
 from engine_service.engine.proposers import Proposal
 from engine_service.engine.sampling_params import SamplingParams, StructuredOutputsParams
-from engine_service.engine.structured import StructuredDecoding, build_grammar, masks
+from engine_service.engine.structured import GrammarState, StructuredDecoding, build_grammar, masks
 
 S = StructuredOutputsParams
 inf = float("inf")
@@ -328,6 +328,56 @@ def test_the_matcher_ends_the_output_even_when_eos_is_ignored(tiny_llama_dir):
     out = llm.generate("x", SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
                                            structured_outputs=S(choice=["hello", "world"])))[0].outputs[0]
     assert out.finish_reason == "stop" and out.text in ("hello", "world")
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sample", "speculative", "beam"])
+def test_stop_token_ids_stop_the_output_without_taking_a_token_from_the_grammar(tiny_llama_dir, mode):
+    """Found by an in-process fuzz of request mixes (session 37): stop_token_ids were the matcher's stop tokens, so
+    under `root ::= "x" ...` stop_token_ids=[id of "x"] left no token allowed at the start; the greedy and
+    speculative draws from nothing raised out of the step (failing every request in it), the sampled one failed
+    its request. Now they stop the output where drawn, as without a grammar, and the batch beside goes on."""
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=64)
+    tok = llm.engine.tokenizer
+    x, z = tok.convert_tokens_to_ids(["x", "z"])
+    grammar = S(grammar='root ::= "x" ("y" | "z")*')
+    extra = dict(beam_width=2) if mode == "beam" else dict(temperature=0.0) if mode == "greedy" else dict(seed=1)
+    beside = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate([[5, 6, 7, 5, 6, 7], [5, 6, 7, 5, 6, 7], [9, 10, 11]], [
+        SamplingParams(mode=mode, max_tokens=8, stop_token_ids=[x], structured_outputs=grammar, **extra),
+        SamplingParams(mode=mode, max_tokens=8, stop_token_ids=[z], structured_outputs=grammar, **extra), beside])
+    assert all(out.error is None for out in outs)
+    first = outs[0].outputs[0]
+    assert (first.token_ids, first.text, first.finish_reason) == ([x], "", "stop")  # "x" drawn: a stop token
+    for o in outs[1].outputs:
+        assert o.token_ids[0] == x and z not in o.token_ids[:-1]
+        assert (o.finish_reason, o.text) == (("stop", tok.decode(o.token_ids[:-1])) if o.token_ids[-1] == z
+                                             else ("length", tok.decode(o.token_ids)))
+    assert outs[2].outputs[0].token_ids == llm.generate([[9, 10, 11]], beside)[0].outputs[0].token_ids
+
+
+def test_beam_search_returns_fewer_than_n_where_the_grammar_allows_fewer(tiny_llm):
+    """No -inf beams the grammar refuses to fill the n (HF's beams would be): a JSON object's first token is "{"."""
+    out = tiny_llm.generate([[5, 6, 7]], SamplingParams(mode="beam", beam_width=4, n=4, max_tokens=1,
+                                                        structured_outputs=S(json_object=True)))[0]
+    assert out.error is None and [(o.text, o.finish_reason) for o in out.outputs] == [("{", "length")]
+    out = tiny_llm.generate([[5, 6, 7]], SamplingParams(mode="beam", beam_width=4, n=4, max_tokens=2,
+                                                        structured_outputs=S(json_object=True)))[0]
+    assert len(out.outputs) == 4 and all(o.text.startswith("{") for o in out.outputs)
+
+
+def test_a_grammar_the_vocabulary_cannot_spell_is_a_value_error_of_its_row():
+    """A row whose grammar allows no token at all (a character no token spells) raises ValueError naming
+    structured_outputs, which run_isolated pins on its request (isolation.py), instead of a draw from nothing;
+    xgrammar may leave the bits past the vocabulary set, which allow nothing."""
+    info = xgr.TokenizerInfo(["a", "b", "</s>"], stop_token_ids=[2])
+    compiler = xgr.GrammarCompiler(info)
+    spelled = GrammarState(xgr.GrammarMatcher(compiler.compile_grammar(xgr.Grammar.from_ebnf('root ::= "a" "b"'))))
+    unspelled = GrammarState(xgr.GrammarMatcher(compiler.compile_grammar(xgr.Grammar.from_ebnf('root ::= "c"'))))
+    assert masks([(None, []), (spelled, [])], 3).rows == [1]
+    with pytest.raises(ValueError, match="^structured_outputs: the grammar allows no token"):
+        masks([(spelled, []), (unspelled, [])], 3)
+    assert masks([(spelled, [0, 1])], 3).bitmask[0, 0] & 0b111 == 0b100  # after "ab": only the stop token
+    assert spelled.num_accepted == 0  # the rows' tokens rolled back
 
 
 def test_compiled_grammars_are_cached_per_distinct_spec(tiny_llama_dir):
