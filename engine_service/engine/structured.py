@@ -107,8 +107,8 @@ class GrammarState:
     def valid_prefix(self, output_ids: list[int], drafts: list[int]) -> list[int]:
         """The longest prefix of `drafts` the grammar accepts after `output_ids` (the matcher is left as it was)."""
         assert len(output_ids) == self.num_accepted
-        n = 0
-        while n < len(drafts) and self.matcher.accept_token(drafts[n]):
+        n = 0  # nothing after a draft that ends the grammar (xgrammar warns on every token offered past its end)
+        while n < len(drafts) and not self.matcher.is_terminated() and self.matcher.accept_token(drafts[n]):
             n += 1
         if n:
             self.matcher.rollback(n)
@@ -166,7 +166,7 @@ def _fill(rows: list[tuple[GrammarState | None, list[int]]], bitmask: torch.Tens
             del have[same:]
         ok = True
         for token in want[same:]:
-            if not state.matcher.accept_token(token):
+            if state.terminated or not state.matcher.accept_token(token):  # (past the end: xgrammar would warn)
                 ok = False
                 break
             have.append(token)

@@ -323,6 +323,20 @@ def test_masks_over_drafts_roll_the_matcher_back(tiny_llama_dir):
     assert (mask.bitmask[0] == before).all()
 
 
+def test_drafts_past_the_grammars_end_are_offered_to_no_matcher(tiny_llama_dir, capfd):
+    """A drafter goes on drafting after a draft that ends the grammar; every token offered to a matcher past its end
+    printed xgrammar's warning on stderr (a replica's log, per draft, found by the request-mix fuzz, session 37)."""
+    engine = LLMEngine(model=str(tiny_llama_dir), num_kv_blocks=64)
+    state = engine._grammar(SamplingParams(structured_outputs=S(choice=["ab"])))
+    ids = engine.tokenizer.encode("ab", add_special_tokens=False)
+    eos = sorted(engine.eos_token_ids)[0]
+    after = ids + [eos, ids[0], ids[0]]
+    assert state.valid_prefix([], after) == ids + [eos]
+    mask = masks([(state, after[:j]) for j in range(len(after) + 1)], engine.vocab_size)
+    assert mask.rows == list(range(len(ids) + 1))  # the rows past the end are left unconstrained
+    assert state.num_accepted == 0 and "terminated" not in capfd.readouterr().err
+
+
 def test_the_matcher_ends_the_output_even_when_eos_is_ignored(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), num_kv_blocks=64)
     out = llm.generate("x", SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
