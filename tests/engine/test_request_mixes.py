@@ -1,10 +1,12 @@
-"""Any mix of valid requests on small pools, every feature at once: the four modes, n, grammars, stop strings and
-ids, penalties, logit bias, logprobs and prompt logprobs, requests arriving mid-run and aborted mid-flight.
+"""Any mix of valid requests on small pools, every feature at once: the four modes (speculation from n-grams and a
+draft model), n, grammars, stop strings and ids, penalties, logit bias, logprobs and prompt logprobs, requests
+arriving mid-run and aborted mid-flight.
 
 What must hold whatever the mix: no step raises and no request errs, every request ends, outputs respect n and
 max_tokens, a drawn token's log-prob is a log-prob, grammar outputs are token by token what the grammar accepts,
 and every block comes back. An in-process fuzz of such mixes (20,000 of them, session 37) found
-`stop_token_ids` taking a token the grammar needed (test_structured.py); this keeps the sweep in the suite.
+`stop_token_ids` taking a token the grammar needed and drafts offered past a grammar's end (test_structured.py);
+this keeps the sweep in the suite.
 """
 import itertools
 import math
@@ -25,7 +27,8 @@ POOLS = [("llama", dict(num_kv_blocks=12, block_size=4)),
          ("llama", dict(num_kv_blocks=24, block_size=2, enable_prefix_caching=False, max_num_seqs=4)),
          ("llama", dict(num_kv_blocks=40, block_size=4, quantization="int8")),
          ("qwen2", dict(num_kv_blocks=30, block_size=4, quantization="int8", kv_cache_dtype="int8",
-                        max_num_batched_tokens=12))]
+                        max_num_batched_tokens=12)),
+         ("llama", dict(num_kv_blocks=40, block_size=4, quantization="int8", draft=True))]
 GRAMMARS = [S(json_object=True), S(regex=r"[a-c]{1,5}x?"), S(choice=["yes", "no", "maybe so"]),
             S(json={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}),
             S(grammar='root ::= "x" ("y" | "z")*'), S(regex=r"\d+", disable_any_whitespace=True)]
@@ -33,13 +36,17 @@ TEXT_WORDS = ["the", "cat", "{", "}", '"a":', "1", "yes", "\n", "ü", "😀", "x
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_llama_dir, tiny_qwen2_dir):
+def engines(tiny_llama_dir, tiny_qwen2_dir, tmp_path_factory):
+    from tests.engine.test_spec_decode import save_draft
+
     dirs = {"llama": tiny_llama_dir, "qwen2": tiny_qwen2_dir}
-    return [LLM(str(dirs[arch]), **pool).engine for arch, pool in POOLS]
+    draft = str(save_draft(tiny_llama_dir, tmp_path_factory.mktemp("mix") / "draft", noise=0.05))
+    return [LLM(str(dirs[arch]), **{k: v for k, v in pool.items() if k != "draft"},
+                **({"draft_model": draft} if pool.get("draft") else {})).engine for arch, pool in POOLS]
 
 
 @st.composite
-def params(draw) -> SamplingParams:
+def params(draw, draft: bool) -> SamplingParams:
     mode = draw(st.sampled_from([None, "greedy", "sample", "beam", "speculative"]))
     kw = dict(max_tokens=draw(st.integers(1, 12)), ignore_eos=draw(st.booleans()))
     if mode == "beam":
@@ -57,6 +64,7 @@ def params(draw) -> SamplingParams:
             kw["n"] = draw(st.integers(1, 3))
         if mode == "speculative":
             kw["num_speculative_tokens"] = draw(st.integers(1, 5))
+            kw["proposer"] = draw(st.sampled_from(["ngram", "draft"] if draft else ["ngram"]))
     grammar = draw(st.none() | st.sampled_from(GRAMMARS))
     if grammar is not None:
         kw["structured_outputs"] = grammar
@@ -79,8 +87,14 @@ def params(draw) -> SamplingParams:
 prompts = (st.builds(lambda n, seed, r: random_prompt(n, seed=seed) * r, st.integers(1, 16), st.integers(0, 9),
                      st.integers(1, 2))
            | st.lists(st.sampled_from(TEXT_WORDS), min_size=1, max_size=12).map(" ".join))
-# (prompt, params, the step it arrives at, the steps after which it is aborted or None)
-REQUEST = st.tuples(prompts, params(), st.integers(0, 6), st.none() | st.integers(0, 8))
+
+
+def requests(draft: bool):
+    """(prompt, params, the step it arrives at, the steps after which it is aborted or None)"""
+    return st.tuples(prompts, params(draft), st.integers(0, 6), st.none() | st.integers(0, 8))
+
+
+
 REQUEST_IDS = itertools.count()
 
 
@@ -104,10 +118,12 @@ def check_output(engine, params: SamplingParams, out) -> None:
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(pool=st.integers(0, len(POOLS) - 1), requests=st.lists(REQUEST, min_size=1, max_size=5))
-def test_any_mix_of_valid_requests_ends_every_request_well_and_frees_every_block(engines, pool, requests):
+@given(data=st.data())
+def test_any_mix_of_valid_requests_ends_every_request_well_and_frees_every_block(engines, data):
+    pool = data.draw(st.integers(0, len(POOLS) - 1), label="pool")
     engine = engines[pool]
-    arrivals = sorted(requests, key=lambda r: r[2])
+    mix = data.draw(st.lists(requests(POOLS[pool][1].get("draft", False)), min_size=1, max_size=5), label="mix")
+    arrivals = sorted(mix, key=lambda r: r[2])
     admitted, finals, steps = {}, {}, 0
     while arrivals or engine.has_unfinished():
         while arrivals and arrivals[0][2] <= steps:
