@@ -233,6 +233,43 @@ def test_a_stream_waiting_in_the_queue_gets_keep_alive_comments(oai, api):
         pulling.set()
 
 
+def test_a_stream_the_replica_refuses_is_the_400_it_is_without_stream(oai, api):
+    """Only the replica knows a prompt's tokens against its context and KV pool. Found by a chaos run of concurrent
+    requests (session 37): such a refusal, a 400 without `stream`, was a 200 stream holding an error typed
+    server_error. Now the stream's response waits briefly for the replica's first event (as vLLM validates before
+    it streams); a refusal later than that (a queued request) ends the stream, typed as its 400 would be."""
+    state, client = oai
+    _, http = api
+    too_long = state.replica.state.engine.max_model_len
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as e:
+            out = client.completions.create(model="tiny", prompt="Hi", max_tokens=too_long, stream=stream)
+            list(out) if stream else None
+        assert e.value.body["code"] == "invalid_request" and "context" in e.value.message
+        with pytest.raises(openai.BadRequestError):
+            out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                                 max_tokens=too_long, stream=stream)
+            list(out) if stream else None
+    ok = client.completions.create(model="tiny", prompt="Hi", max_tokens=3, stream=True, temperature=0)
+    assert len(list(ok)) >= 3  # a stream the replica takes starts with its first event, none lost
+    state.sse_keepalive_s = 0.1  # (the wait is at most this)
+    pulling = state.replica.state.pulling
+    pulling.clear()  # queued past the wait: the refusal comes in the stream
+    time.sleep(0.3)
+    threading.Timer(0.5, pulling.set).start()
+    try:
+        with http.stream("POST", "/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": too_long,
+                                                          "stream": True}) as r:
+            assert r.status_code == 200
+            lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    finally:
+        pulling.set()
+    error = json.loads(lines[0].removeprefix("data: "))["error"]
+    assert (error["type"], error["code"]) == ("invalid_request_error", "invalid_request")
+    assert "context" in error["message"]
+    assert lines[-1] == "data: [DONE]"
+
+
 def test_response_format_text_is_accepted(oai):  # json_object / json_schema: test_structured_outputs.py
     _, client = oai
     messages = [{"role": "user", "content": "Hi"}]

@@ -1,7 +1,8 @@
 """The OpenAI routes' work: check a body, submit its requests through Redis (one per prompt of a completion batch,
 all at once), answer whole or as server-sent events.
 
-A batch's choices are numbered prompt_index * n + j, as OpenAI numbers them. A stream sends `: keep-alive`
+A batch's choices are numbered prompt_index * n + j, as OpenAI numbers them. A stream starts once its first event
+came (or FIRST_EVENT_WAIT_S passed: a replica's refusal is a 400 as without `stream`), then sends `: keep-alive`
 comments while no event comes (a request waiting in the queue, a long prefill), so that proxies and clients keep
 the connection; with stream_options.include_usage its last chunk has no choices and the usage.
 """
@@ -48,6 +49,8 @@ log = logging.getLogger("decodelab.api")
 STATUS_BY_CODE = {"invalid_request": 400, "unsupported_version": 400, "limit_exceeded": 400, "queue_full": 429,
                   "deadline_exceeded": 504, "timeout": 504, "unavailable": 503, "lost": 503, "engine_error": 500}
 
+
+FIRST_EVENT_WAIT_S = 2.0  # a stream's response waits this long for its first event (serve)
 
 FAILOVER_DIVERGED = ("the replica running this request failed and its re-run produced different text from what "
                      "was already streamed; the stream ends here rather than mix two runs")
@@ -130,7 +133,55 @@ async def serve(state: ServiceState, http: Request, body, requests: list[Generat
     # Beams are rewritten as they overtake each other, which an append-only SSE stream cannot show: a beam
     # request streams its outputs once they are final.
     stream_tokens = requests[0].params.mode != "beam"
-    return StreamingResponse(_sse(state, subs, reply, stream_tokens), media_type="text/event-stream")
+    events = _Events.start(state, subs)
+    # The replica checks what only it knows (the prompt's tokens against its KV pool and limits) when it takes the
+    # request: its refusal, usually within milliseconds, is a 400 before the stream starts, as without `stream`
+    # and as vLLM answers; one later than the wait ends the stream with the error.
+    try:
+        async with asyncio.timeout(min(FIRST_EVENT_WAIT_S, state.sse_keepalive_s)):
+            events.first = await events.queue.get()
+    except TimeoutError:
+        pass
+    i, ev = events.first or (None, None)
+    if isinstance(ev, ErrorEvent) and STATUS_BY_CODE.get(ev.code, 500) < 500:
+        events.stop()
+        await _cancel_all(state, [sub.request_id for j, sub in enumerate(subs) if j != i])
+        _raise_on_error(ev)
+    return StreamingResponse(_sse(state, subs, reply, stream_tokens, events), media_type="text/event-stream")
+
+
+@dataclass
+class _Events:
+    """Every prompt's events through one queue, so that one loop interleaves them and sees the silences; a task
+    per prompt pumps them in. `first`: an event taken before the response started, handed out first."""
+
+    queue: asyncio.Queue
+    pumps: list[asyncio.Task]
+    first: tuple[int, TokenEvent | DoneEvent | ErrorEvent | Exception] | None = None
+
+    @classmethod
+    def start(cls, state: ServiceState, subs: list[Submission]) -> _Events:
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, sub: Submission) -> None:
+            try:
+                async with aclosing(state.client.stream(sub, state.request_timeout)) as stream:
+                    async for ev in stream:
+                        await queue.put((i, ev))
+            except Exception as e:  # raised by the reader, as if it had read the stream itself
+                await queue.put((i, e))
+
+        return cls(queue, [asyncio.create_task(pump(i, sub)) for i, sub in enumerate(subs)])
+
+    async def get(self) -> tuple[int, TokenEvent | DoneEvent | ErrorEvent | Exception]:
+        if self.first is not None:
+            first, self.first = self.first, None
+            return first
+        return await self.queue.get()
+
+    def stop(self) -> None:
+        for task in self.pumps:
+            task.cancel()
 
 
 async def _submit_all(state: ServiceState, requests: list[GenerationRequest],
@@ -209,13 +260,17 @@ async def _results_unless_disconnected(state: ServiceState, http: Request,
     return result.result() if result in done else None
 
 
+def _error_type(code: str) -> str:
+    return "invalid_request_error" if STATUS_BY_CODE.get(code, 500) < 500 else "server_error"
+
+
 def _raise_on_error(ev) -> None:
     if isinstance(ev, ErrorEvent):
-        status = STATUS_BY_CODE.get(ev.code, 500)
-        raise APIError(status, ev.message, "invalid_request_error" if status < 500 else "server_error", ev.code)
+        raise APIError(STATUS_BY_CODE.get(ev.code, 500), ev.message, _error_type(ev.code), ev.code)
 
 
-async def _sse(state: ServiceState, subs: list[Submission], reply: Reply, stream_tokens: bool) -> AsyncIterator[str]:
+async def _sse(state: ServiceState, subs: list[Submission], reply: Reply, stream_tokens: bool,
+               events: _Events) -> AsyncIterator[str]:
     def data(obj: dict) -> str:
         return f"data: {json.dumps(obj)}\n\n"
 
@@ -241,18 +296,6 @@ async def _sse(state: ServiceState, subs: list[Submission], reply: Reply, stream
         return [chunk(i * reply.n + j, text, logprobs=scores.logprobs if scores is not None else None)
                 for j in range(reply.n)]
 
-    # every prompt's events through one queue, so that one loop interleaves them and sees the silences
-    events: asyncio.Queue[tuple[int, TokenEvent | DoneEvent | ErrorEvent | Exception]] = asyncio.Queue()
-
-    async def pump(i: int, sub: Submission) -> None:
-        try:
-            async with aclosing(state.client.stream(sub, state.request_timeout)) as stream:
-                async for ev in stream:
-                    await events.put((i, ev))
-        except Exception as e:  # raised in the loop below, as if it had read the stream itself
-            await events.put((i, e))
-
-    pumps = [asyncio.create_task(pump(i, sub)) for i, sub in enumerate(subs)]
     texts = [TextAccumulator() for _ in subs]
     echoed: set[int] = set()
     dones: dict[int, DoneEvent] = {}
@@ -270,7 +313,7 @@ async def _sse(state: ServiceState, subs: list[Submission], reply: Reply, stream
             base, text = i * reply.n, texts[i]
             if isinstance(ev, ErrorEvent):
                 failed.add(i)
-                yield data(error_body(ev.message, "server_error", ev.code))
+                yield data(error_body(ev.message, _error_type(ev.code), ev.code))
                 break
             if i not in echoed and (isinstance(ev, DoneEvent) or stream_tokens):
                 for line in echo(i, ev.prompt):
@@ -297,7 +340,6 @@ async def _sse(state: ServiceState, subs: list[Submission], reply: Reply, stream
             yield data(usage_chunk(reply.id, reply.model, reply.chat, usage(list(dones.values()), reply.generated)))
         yield "data: [DONE]\n\n"
     finally:
-        for task in pumps:
-            task.cancel()
+        events.stop()
         # a closed HTTP stream, another prompt's error, a divergence: stop what still runs
         await _cancel_all(state, [sub.request_id for i, sub in enumerate(subs) if i not in dones and i not in failed])
