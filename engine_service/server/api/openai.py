@@ -1,10 +1,10 @@
 """The OpenAI routes' work: check a body, submit its requests through Redis (one per prompt of a completion batch,
 all at once), answer whole or as server-sent events.
 
-A batch's choices are numbered prompt_index * n + j, as OpenAI numbers them. A stream starts once its first event
-came (or FIRST_EVENT_WAIT_S passed: a replica's refusal is a 400 as without `stream`), then sends `: keep-alive`
-comments while no event comes (a request waiting in the queue, a long prefill), so that proxies and clients keep
-the connection; with stream_options.include_usage its last chunk has no choices and the usage.
+A batch's choices are numbered prompt_index * n + j, as OpenAI numbers them. A stream starts once each prompt's
+first event came (or FIRST_EVENT_WAIT_S passed: a replica's refusal is a 400 as without `stream`), then sends
+`: keep-alive` comments while no event comes (a request waiting in the queue, a long prefill), so that proxies and
+clients keep the connection; with stream_options.include_usage its last chunk has no choices and the usage.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import anyio
 from fastapi import Request
@@ -50,7 +50,7 @@ STATUS_BY_CODE = {"invalid_request": 400, "unsupported_version": 400, "limit_exc
                   "deadline_exceeded": 504, "timeout": 504, "unavailable": 503, "lost": 503, "engine_error": 500}
 
 
-FIRST_EVENT_WAIT_S = 2.0  # a stream's response waits this long for its first event (serve)
+FIRST_EVENT_WAIT_S = 2.0  # a stream's response waits this long for each prompt's first event (serve)
 
 FAILOVER_DIVERGED = ("the replica running this request failed and its re-run produced different text from what "
                      "was already streamed; the stream ends here rather than mix two runs")
@@ -137,27 +137,24 @@ async def serve(state: ServiceState, http: Request, body, requests: list[Generat
     # The replica checks what only it knows (the prompt's tokens against its KV pool and limits) when it takes the
     # request: its refusal, usually within milliseconds, is a 400 before the stream starts, as without `stream`
     # and as vLLM answers; one later than the wait ends the stream with the error.
-    try:
-        async with asyncio.timeout(min(FIRST_EVENT_WAIT_S, state.sse_keepalive_s)):
-            events.first = await events.queue.get()
-    except TimeoutError:
-        pass
-    i, ev = events.first or (None, None)
-    if isinstance(ev, ErrorEvent) and STATUS_BY_CODE.get(ev.code, 500) < 500:
+    await events.hold_firsts(len(subs), min(FIRST_EVENT_WAIT_S, state.sse_keepalive_s))
+    refused = next(((i, ev) for i, ev in events.held
+                    if isinstance(ev, ErrorEvent) and STATUS_BY_CODE.get(ev.code, 500) < 500), None)
+    if refused is not None:
         events.stop()
-        await _cancel_all(state, [sub.request_id for j, sub in enumerate(subs) if j != i])
-        _raise_on_error(ev)
+        await _cancel_all(state, [sub.request_id for j, sub in enumerate(subs) if j != refused[0]])
+        _raise_on_error(refused[1])
     return StreamingResponse(_sse(state, subs, reply, stream_tokens, events), media_type="text/event-stream")
 
 
 @dataclass
 class _Events:
     """Every prompt's events through one queue, so that one loop interleaves them and sees the silences; a task
-    per prompt pumps them in. `first`: an event taken before the response started, handed out first."""
+    per prompt pumps them in. `held`: events taken before the response started (hold_firsts), handed out first."""
 
     queue: asyncio.Queue
     pumps: list[asyncio.Task]
-    first: tuple[int, TokenEvent | DoneEvent | ErrorEvent | Exception] | None = None
+    held: list[tuple[int, TokenEvent | DoneEvent | ErrorEvent | Exception]] = field(default_factory=list)
 
     @classmethod
     def start(cls, state: ServiceState, subs: list[Submission]) -> _Events:
@@ -173,11 +170,22 @@ class _Events:
 
         return cls(queue, [asyncio.create_task(pump(i, sub)) for i, sub in enumerate(subs)])
 
+    async def hold_firsts(self, prompts: int, timeout: float) -> None:
+        """Take events until every prompt has sent one, one is an error, or `timeout` passed."""
+        seen: set[int] = set()
+        try:
+            async with asyncio.timeout(timeout):
+                while len(seen) < prompts:
+                    i, ev = await self.queue.get()
+                    self.held.append((i, ev))
+                    seen.add(i)
+                    if isinstance(ev, (ErrorEvent, Exception)):
+                        return
+        except TimeoutError:
+            pass
+
     async def get(self) -> tuple[int, TokenEvent | DoneEvent | ErrorEvent | Exception]:
-        if self.first is not None:
-            first, self.first = self.first, None
-            return first
-        return await self.queue.get()
+        return self.held.pop(0) if self.held else await self.queue.get()
 
     def stop(self) -> None:
         for task in self.pumps:
