@@ -64,6 +64,22 @@ def _int(name: str, value) -> int | None:
         raise InputError(f"{name}: must be a whole number, got {value!r}") from None
 
 
+def _float(name: str, value, empty: float | None = None) -> float:
+    """A number box's value; an emptied box (None) is `empty` where that means "off", else an InputError, as is
+    anything not finite."""
+    if value is None or value == "":
+        if empty is None:
+            raise InputError(f"{name}: enter a number")
+        return empty
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        raise InputError(f"{name}: must be a number, got {value!r}") from None
+    if not math.isfinite(x):
+        raise InputError(f"{name}: must be a finite number, got {value}")
+    return x
+
+
 def check_prompt(s: Settings) -> str | None:
     """The error shown under the prompt box, or None."""
     if not s.prompt or not s.prompt.strip():
@@ -117,14 +133,15 @@ def _options(mode: str, s: Settings) -> dict:
             raise InputError("beam width and beams shown are required")
         if shown > width:
             raise InputError(f"beams shown ({shown}) cannot exceed the beam width ({width})")
-        return dict(common, beam_width=width, n=shown, length_penalty=float(s.length_penalty))
+        return dict(common, beam_width=width, n=shown, length_penalty=_float("length penalty", s.length_penalty))
     if mode == "sample":
         top_k = _int("top-k", s.top_k)
         top_k = -1 if top_k in (None, 0) else top_k
         if top_k < -1:
             raise InputError(f"top-k: must be -1 or 0 (off) or a positive number, got {top_k}")
-        return dict(common, temperature=float(s.temperature), top_k=top_k, top_p=float(s.top_p),
-                    min_p=float(s.min_p), seed=_int("seed", s.seed), n=_int("n", s.n) or 1)
+        return dict(common, temperature=_float("temperature", s.temperature), top_k=top_k,
+                    top_p=_float("top-p", s.top_p, empty=1.0), min_p=_float("min-p", s.min_p, empty=0.0),
+                    seed=_int("seed", s.seed), n=_int("n", s.n) or 1)
     if mode == "speculative":  # verified against the target's greedy choice: the text must equal greedy's
         return dict(common, temperature=0.0, proposer=s.proposer, num_speculative_tokens=_int("k", s.spec_k) or 1)
     raise ValueError(f"unknown mode {mode!r}")
