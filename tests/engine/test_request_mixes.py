@@ -3,8 +3,9 @@ draft model), n, grammars, stop strings and ids, penalties, logit bias, logprobs
 arriving mid-run and aborted mid-flight.
 
 What must hold whatever the mix: no step raises and no request errs, every request ends, outputs respect n and
-max_tokens, a drawn token's log-prob is a log-prob, grammar outputs are token by token what the grammar accepts,
-and every block comes back. An in-process fuzz of such mixes (20,000 of them, session 37) found
+max_tokens, the text is the tokens' (no stop string inside it), a drawn token's log-prob is a log-prob, grammar
+outputs are token by token what the grammar accepts, and every block comes back; on the int8 kernels a greedy
+request's tokens are its tokens alone. An in-process fuzz of such mixes (20,000 of them, session 37) found
 `stop_token_ids` taking a token the grammar needed and drafts offered past a grammar's end (test_structured.py);
 this keeps the sweep in the suite.
 """
@@ -109,6 +110,10 @@ def check_output(engine, params: SamplingParams, out) -> None:
             assert len(o.logprobs) == len(o.token_ids)
             for token, top in zip(o.token_ids, o.logprobs):
                 assert not math.isnan(top[token]) and top[token] <= 1e-4, (token, top)
+        if not params.stop and not params.stop_token_ids and params.mode != "beam":  # the text is the tokens'
+            assert o.text == engine.tokenizer.decode(o.token_ids, skip_special_tokens=True), o
+        elif params.stop and not params.include_stop_str_in_output and not params.min_tokens:
+            assert not any(stop in o.text for stop in params.stop), (o.text, params.stop)  # (min_tokens: none yet)
         if params.structured_outputs is not None:
             matcher = xgr.GrammarMatcher(engine._structured.compiled(params.structured_outputs))
             ids = o.token_ids[:-1] if o.token_ids[-1] in params.stop_token_ids else o.token_ids
