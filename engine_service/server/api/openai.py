@@ -137,7 +137,12 @@ async def serve(state: ServiceState, http: Request, body, requests: list[Generat
     # The replica checks what only it knows (the prompt's tokens against its KV pool and limits) when it takes the
     # request: its refusal, usually within milliseconds, is a 400 before the stream starts, as without `stream`
     # and as vLLM answers; one later than the wait ends the stream with the error.
-    await events.hold_firsts(len(subs), min(FIRST_EVENT_WAIT_S, state.sse_keepalive_s))
+    try:
+        await events.hold_firsts(len(subs), min(FIRST_EVENT_WAIT_S, state.sse_keepalive_s))
+    except BaseException:  # cancelled meanwhile: no stream will read them
+        events.stop()
+        await _cancel_all(state, [sub.request_id for sub in subs])
+        raise
     refused = next(((i, ev) for i, ev in events.held
                     if isinstance(ev, ErrorEvent) and STATUS_BY_CODE.get(ev.code, 500) < 500), None)
     if refused is not None:
