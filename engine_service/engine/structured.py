@@ -49,8 +49,11 @@ def build_grammar(spec: StructuredOutputsParams) -> xgr.Grammar:
     json_kw = dict(any_whitespace=ws, max_whitespace_cnt=MAX_JSON_WHITESPACE if ws else None)
     try:
         if spec.json is not None:
-            schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
-            return xgr.Grammar.from_json_schema(schema, **json_kw)
+            try:
+                schema = json.loads(spec.json) if isinstance(spec.json, str) else spec.json
+            except ValueError as e:
+                raise ValueError(f"json: the schema is not valid JSON ({e})") from None
+            return xgr.Grammar.from_json_schema(json.dumps(_lengths_as_patterns(schema)), **json_kw)
         if spec.json_object:
             # strict_mode=False: any members (strict would allow only {} for a schema without properties)
             return xgr.Grammar.from_json_schema(json.dumps({"type": "object"}), strict_mode=False, **json_kw)
@@ -62,6 +65,32 @@ def build_grammar(spec: StructuredOutputsParams) -> xgr.Grammar:
         return xgr.Grammar.from_ebnf(spec.grammar)
     except (RuntimeError, ValueError, TypeError) as e:  # xgrammar raises RuntimeError with its parser's message
         raise _fail(_short(e)) from None
+
+
+# JSON Schema keywords whose values are data, not schemas: never rewritten
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
+
+
+def _lengths_as_patterns(node):
+    r"""The schema with every string's minLength / maxLength (where it has no pattern) as the pattern
+    `^[\s\S]{min,max}$`. Why: xgrammar 0.2.8 compiles those bounds to a repetition of any character but `"`, `\`,
+    CR and LF, so a bounded string could hold raw control characters, which JSON forbids: `{"s": "ab\x1dc"}` with
+    finish_reason "stop", which json.loads refuses (mlc-ai/xgrammar#800; its fixes, #822 and #880, are not
+    released). Its pattern path keeps to the characters JSON allows unescaped, counting code points as the bounds
+    do. Neither path emits escapes (a bounded string holds no `"`, `\` or newline); a pattern with bounds keeps
+    xgrammar's behaviour (the pattern alone)."""
+    if isinstance(node, list):
+        return [_lengths_as_patterns(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: v if k in _DATA_KEYWORDS else _lengths_as_patterns(v) for k, v in node.items()}
+    lo, hi = out.get("minLength"), out.get("maxLength")
+    bounds = [b for b in (lo, hi) if b is not None]
+    if bounds and "pattern" not in out and all(isinstance(b, int) and not isinstance(b, bool) for b in bounds):
+        out.pop("minLength", None)
+        out.pop("maxLength", None)
+        out["pattern"] = f"^[\\s\\S]{{{lo or 0},{'' if hi is None else hi}}}$"
+    return out
 
 
 def _short(e: Exception) -> str:

@@ -394,6 +394,25 @@ def test_a_grammar_the_vocabulary_cannot_spell_is_a_value_error_of_its_row():
     assert spelled.num_accepted == 0  # the rows' tokens rolled back
 
 
+@pytest.mark.parametrize("schema", [
+    {"type": "string", "minLength": 3, "maxLength": 5},
+    {"type": "object", "required": ["s", "t"],
+     "properties": {"s": {"type": "string", "maxLength": 6}, "t": {"type": "string", "minLength": 2, "maxLength": 8}}}])
+def test_length_bounded_strings_hold_no_raw_control_characters(tiny_llm, schema):
+    """xgrammar 0.2.8 compiles minLength / maxLength to a repetition that admits raw control characters, which JSON
+    forbids (mlc-ai/xgrammar#800): the tiny model sampled `" 42\x1d..."`, finished "stop", that json.loads refused
+    (found by sampling it under 25 schemas, session 37). build_grammar hands xgrammar such bounds as a pattern."""
+    outs = tiny_llm.generate([[5, 6, 7]], SamplingParams(mode="sample", n=24, temperature=1.5, seed=1, max_tokens=80,
+                                                         structured_outputs=S(json=schema,
+                                                                              disable_any_whitespace=True)))[0].outputs
+    done = [o for o in outs if o.finish_reason == "stop"]
+    assert len(done) >= 12
+    for o in done:
+        value = json.loads(o.text)  # strict: no control character in a string
+        if "\ufffd" not in o.text:  # (xgrammar also takes an overlong UTF-8 sequence as one character, which
+            jsonschema_rs.validate(schema, value)  # decodes to three U+FFFD: a random model's bytes, left alone)
+
+
 def test_compiled_grammars_are_cached_per_distinct_spec(tiny_llama_dir):
     engine = LLMEngine(model=str(tiny_llama_dir), num_kv_blocks=64)
     for spec in (S(json={"type": "object", "properties": {"a": {"type": "integer"}}}),
