@@ -53,6 +53,7 @@ def build_grammar(spec: StructuredOutputsParams) -> xgr.Grammar:
                 schema = json.loads(spec.json) if isinstance(spec.json, str) else spec.json
             except ValueError as e:
                 raise ValueError(f"json: the schema is not valid JSON ({e})") from None
+            _check_enforceable(schema)
             return xgr.Grammar.from_json_schema(json.dumps(_lengths_as_patterns(schema)), **json_kw)
         if spec.json_object:
             # strict_mode=False: any members (strict would allow only {} for a schema without properties)
@@ -69,6 +70,38 @@ def build_grammar(spec: StructuredOutputsParams) -> xgr.Grammar:
 
 # JSON Schema keywords whose values are data, not schemas: never rewritten
 _DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
+# keywords whose values map names to schemas
+_NAME_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions"})
+
+
+# Keywords xgrammar 0.2.8 compiles to no constraint at all (checked one by one: a value that breaks them is accepted);
+# `allOf` with several schemas makes the whole value unconstrained. vLLM refuses such schemas where xgrammar is its
+# only backend; so do we, rather than return outputs the schema rejects with finish_reason "stop".
+_UNENFORCED = ("not", "if", "then", "else", "contains", "minContains", "maxContains", "dependentRequired",
+               "dependentSchemas")
+
+
+def _check_enforceable(node, path: str = "$") -> None:
+    """ValueError naming the first keyword of the schema the grammar would not enforce."""
+    if isinstance(node, list):
+        for i, x in enumerate(node):
+            _check_enforceable(x, f"{path}[{i}]")
+        return
+    if not isinstance(node, dict):
+        return
+    bad = next((k for k in _UNENFORCED if k in node), None)
+    if bad is None and isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+        bad = "allOf"
+    if bad is None and node.get("uniqueItems") is True:
+        bad = "uniqueItems"
+    if bad is not None:
+        raise ValueError(f"json: {bad!r} (at {path}) is not supported: the grammar cannot enforce it")
+    for k, v in node.items():
+        if k in _NAME_MAPS and isinstance(v, dict):  # names -> schemas: a property may be called "not"
+            for name, sub in v.items():
+                _check_enforceable(sub, f"{path}.{k}.{name}")
+        elif k not in _DATA_KEYWORDS:
+            _check_enforceable(v, f"{path}.{k}")
 
 
 def _lengths_as_patterns(node):
