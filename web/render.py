@@ -52,7 +52,7 @@ def _ms(x: float | None) -> str:
 
 
 def _prob(lp: float | None) -> float | None:
-    return None if lp is None else math.exp(lp)
+    return None if lp is None else math.exp(min(lp, 0.0))  # (a saved run's file may hold any number)
 
 
 def _round(x: float | None, digits: int) -> float | None:

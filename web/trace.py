@@ -34,7 +34,7 @@ class Trace:
 
     @classmethod
     def of(cls, mode: str, tokens: list[Token]) -> Trace:
-        return cls(mode, [None if t.logprob is None else math.exp(t.logprob) for t in tokens],
+        return cls(mode, [None if t.logprob is None else math.exp(min(t.logprob, 0.0)) for t in tokens],
                    [t.entropy for t in tokens])
 
     def mean_p(self) -> float | None:

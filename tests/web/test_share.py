@@ -13,6 +13,8 @@ import re
 import uuid
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from playwright.sync_api import expect
 
 from shared.keys import Keys
@@ -124,6 +126,68 @@ def test_a_document_missing_a_column_or_a_stored_value_that_is_damaged_is_refuse
         share.restore(doc, Run(Service("redis://127.0.0.1:1/0", Keys("t")), doc.settings))
     with pytest.raises(share.ShareError, match="damaged"):
         share.unpack("not base64!")
+
+
+def _open(text: str) -> None:
+    """What opening a run file does: load it, restore it into a Run, draw it, save it again."""
+    from web.handlers import Handlers
+
+    service = Service("redis://127.0.0.1:1/0", Keys("t"))
+    back = share.loads(text)
+    run = Run(service, back.settings, back.share_prompt, client_id="")
+    share.restore(back, run)
+    Handlers(service)._frame(run, {}, final=True)
+    share.saved_run(run)
+
+
+def test_a_run_file_whose_log_probs_are_impossible_still_opens():
+    """Found by editing run files (session 37): a token's log-prob of 1e9 raised OverflowError out of the drawing
+    (math.exp), failing the upload with no message; a probability is now drawn from min(log-prob, 0)."""
+    doc = json.loads(share.dumps(share.saved_run(_run())))
+
+    def bump(node):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                node[k] = 1e9 if k == "logprob" and v is not None else bump(v)
+        elif isinstance(node, list):
+            return [bump(x) for x in node]
+        return node
+
+    _open(json.dumps(bump(doc)))
+
+
+def _paths(node, path=()):
+    yield path
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for k, v in items:
+        yield from _paths(v, (*path, k))
+
+
+ODD = [None, 0, -1, 2, 10 ** 9, -10 ** 9, 1.5, "", "x", [], {}, [0], True, "beam"]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(edits=st.lists(st.tuples(st.integers(0, 10 ** 6), st.integers(0, len(ODD) + 1)), min_size=1, max_size=3))
+def test_any_edit_of_a_run_file_is_refused_with_why_or_shown(edits):
+    """A run file is the user's to edit (or damage): whatever it holds, opening it is a ShareError that says why,
+    or the run shown (restored, drawn, saved again); what the edits found is the test above."""
+    doc = json.loads(share.dumps(share.saved_run(_run())))
+    for at, what in edits:
+        paths = [p for p in _paths(doc) if p]
+        path = paths[at % len(paths)]
+        parent = doc
+        for k in path[:-1]:
+            parent = parent[k]
+        if what == len(ODD):  # drop it
+            del parent[path[-1]]
+        elif what == len(ODD) + 1 and isinstance(parent, list):  # repeat it
+            parent.append(parent[path[-1]])
+        else:
+            parent[path[-1]] = ODD[what % len(ODD)]
+    try:
+        _open(json.dumps(doc))
+    except share.ShareError:
+        pass
 
 
 # ---- in a real browser, against a real replica that restarts
