@@ -170,7 +170,7 @@ class GrammarState:
         """The longest prefix of `drafts` the grammar accepts after `output_ids` (the matcher is left as it was)."""
         assert len(output_ids) == self.num_accepted
         n = 0  # nothing after a draft that ends the grammar (xgrammar warns on every token offered past its end)
-        while n < len(drafts) and not self.matcher.is_terminated() and self.matcher.accept_token(drafts[n]):
+        while n < len(drafts) and not self.terminated and self.matcher.accept_token(drafts[n]):
             n += 1
         if n:
             self.matcher.rollback(n)
