@@ -51,8 +51,9 @@ def _ms(x: float | None) -> str:
     return f"{x * 1000:.0f} ms" if x < 1 else f"{x:.2f} s"
 
 
-def _prob(lp: float | None) -> float | None:
-    return None if lp is None else math.exp(min(lp, 0.0))  # (a saved run's file may hold any number)
+def token_prob(lp: float | None) -> float | None:
+    """A token's probability from its log-prob (a saved run's file may hold any number: 1e9 drew OverflowError)."""
+    return None if lp is None else math.exp(min(lp, 0.0))
 
 
 def _round(x: float | None, digits: int) -> float | None:
@@ -69,7 +70,7 @@ def _draft_data(d: DraftCheck) -> list:
 
 
 def _token(t: Token, pos: int | None = None, extra: str = "") -> str:
-    p = _prob(t.logprob)
+    p = token_prob(t.logprob)
     cls = f"tk m-{t.mark}" if t.mark else "tk"
     shade = [] if t.mark else [f"--u:{min(1.0, 1.0 - p):.2f}"] if p is not None else []
     if t.entropy is not None and not t.mark:
@@ -82,7 +83,7 @@ def _token(t: Token, pos: int | None = None, extra: str = "") -> str:
     # the hover card's facts, drawn into a card by web/tips.js when the pointer first reaches the token. A
     # streamed column re-sends all its tokens every frame: the card's HTML per token was ~60% of a frame's bytes
     if t.top:
-        alts = [[tid, text, _round(_prob(lp), 4)] for tid, text, lp in t.top[:5]]
+        alts = [[tid, text, _round(token_prob(lp), 4)] for tid, text, lp in t.top[:5]]
         attrs += f' data-alts="{escape(json.dumps(alts))}" data-id="{t.token_id}"'
     if t.logprob is not None:
         attrs += f' data-lp="{t.logprob:.4f}"'

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from html import escape
 
 from web.columns import Token
-from web.render import ENTROPY_SCALE, MODE_COLORS
+from web.render import ENTROPY_SCALE, MODE_COLORS, token_prob
 
 W, H = 720, 200  # the plot's viewBox
 PAD_L, PAD_R, PAD_T, PAD_B = 40, 44, 10, 30
@@ -34,8 +34,7 @@ class Trace:
 
     @classmethod
     def of(cls, mode: str, tokens: list[Token]) -> Trace:
-        return cls(mode, [None if t.logprob is None else math.exp(min(t.logprob, 0.0)) for t in tokens],
-                   [t.entropy for t in tokens])
+        return cls(mode, [token_prob(t.logprob) for t in tokens], [t.entropy for t in tokens])
 
     def mean_p(self) -> float | None:
         known = [p for p in self.p if p is not None]
