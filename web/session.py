@@ -87,8 +87,8 @@ class Run:
         self._step_cursors: dict[str, str] = {}  # per replica: the last step-record stream id read
         self.message: str | None = None  # for the whole run (engine down, ...)
         self._changed = asyncio.Event()
-        self._wake = asyncio.Event()  # cuts the pause between frames short (_touch): the run's end, its first token
-        self._shown_token = False  # the last frame had a token in it
+        self._wake = asyncio.Event()  # cuts the pause between frames short (_touch): the run's end, a first token
+        self._shown_tokens = 0  # how many columns had a token in the last frame
         self._stop_at: float | None = None
         self._tasks: list[asyncio.Task] = []
         self._prefilled = asyncio.Event()
@@ -108,11 +108,13 @@ class Run:
 
     def _urgent(self) -> bool:
         """Whether the next frame should go out without waiting out its budget: every column has ended (the last
-        tokens and their final state), or the run's first token is in and no frame has shown one yet."""
-        return self.finished or (not self._shown_token and self._has_token())
+        tokens and their final state), or a column's first token is in and no frame has shown it yet (with the
+        prompt shared, the other columns' first tokens come a step after greedy's: they waited out min_interval,
+        ~50-100 ms more time to first token in the browser)."""
+        return self.finished or self._with_token() > self._shown_tokens
 
-    def _has_token(self) -> bool:
-        return any(c.first_token_at for c in self._roots())
+    def _with_token(self) -> int:
+        return sum(1 for c in self._roots() if c.first_token_at)
 
     async def _pause(self, seconds: float) -> None:
         """Wait `seconds` before the next frame, unless something urgent comes first (or is already here)."""
@@ -180,11 +182,11 @@ class Run:
                     for col in self._roots():
                         if not col.finished:
                             col.fail("stopped before the replica confirmed", "cancelled", "cancelled")
-                self._shown_token = self._has_token()  # what the frame drawn now holds
+                self._shown_tokens = self._with_token()  # what the frame drawn now holds
                 yield
                 # the next frame waits out the budget (min_interval, or the last frame's size: pace), but not for
-                # the first token or the run's end (without that, the end came up to a pace late: ~0.4 s by 64
-                # tokens in four columns)
+                # a column's first token or the run's end (without that, the end came up to a pace late: ~0.4 s by
+                # 64 tokens in four columns)
                 await self._pause(max(min_interval, self.pace))
             self.kv = await self.service.kv()
             await self.take_steps()

@@ -72,6 +72,29 @@ def test_a_replica_that_goes_away_mid_run_ends_the_run_with_a_message(redis_serv
             engine.abort(rid)
 
 
+def test_each_columns_first_token_is_drawn_at_once_when_the_prompt_is_shared(redis_server, tiny_stack):
+    """With the prompt shared, greedy goes first and the other columns' first tokens come a step after its own,
+    when a frame with a token has gone out already: each of them still cuts the pause short (a pace of 30 s here),
+    so every column's first token is drawn while the run still goes on. Before, only the run's first token did:
+    the others waited out the pace (min_interval in the playground; here the whole run, drawn at its end)."""
+    session_run = _tiny_run(redis_server, tiny_stack[2], 300, share_prompt=True)
+    drawn_running: dict[str, bool] = {}  # mode -> the run was still going when a frame first showed its token
+
+    async def main():
+        async for _ in session_run.updates(min_interval=0.01):
+            session_run.pace = 30.0
+            for mode, c in session_run.columns.items():
+                if c.first_token_at and mode not in drawn_running:
+                    drawn_running[mode] = not session_run.finished
+            if len(drawn_running) == len(session_run.columns):
+                session_run.stop()
+                return
+
+    run(main(), 60)
+    assert drawn_running == dict.fromkeys(session_run.columns, True), (
+        drawn_running, [(c.status, c.error) for c in session_run.columns.values()])
+
+
 def test_a_session_over_its_request_limit_sees_too_many_requests_not_queue_full(redis_server, monkeypatch):
     from web.modes import Settings
     from web.session import Run, Service
@@ -91,12 +114,12 @@ def test_a_session_over_its_request_limit_sees_too_many_requests_not_queue_full(
     run(main(), 20)
 
 
-def _tiny_run(redis_server, keys, max_tokens: int):
+def _tiny_run(redis_server, keys, max_tokens: int, share_prompt: bool = False):
     from web.modes import Settings
     from web.session import Run, Service
 
     return Run(Service(redis_server.url, keys), Settings(prompt="Once upon a time", chat=False, max_tokens=max_tokens,
-                                                         model="tiny"), share_prompt=False)
+                                                         model="tiny"), share_prompt=share_prompt)
 
 
 def test_the_runs_end_is_drawn_at_once_not_a_pace_later(redis_server, tiny_stack):
