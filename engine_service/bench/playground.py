@@ -13,6 +13,11 @@
    (batch 1) and for the four requests together, in one LLMEngine.
 The API streams a beam request's outputs once final (an append-only stream cannot show beams overtaking each
 other), so there its TTFT is the whole run and it has no TPOT.
+The paths take turns, run by run (a round: browser, api, in-process), with the stack and the in-process engine both
+loaded throughout (each idle while another path runs): a shared VM's speed can drift by ~25% over minutes (a 2-core
+AMD EPYC, session 39), more than what the page or the API adds to the engine: paths measured one after another
+compared windows, not paths. `same_window` in the JSON: per mode, the median over rounds of a path's TPOT over
+the in-process one's.
 Every path runs play's configuration unless told otherwise (server/play.apply_play_defaults: on a CPU int8 weights
 and one core left to the web UI and the browser, `--threads` cores - 1; the stack's OpenMP threads sleep while
 they wait, OMP_WAIT_POLICY=PASSIVE).
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -142,49 +148,65 @@ def _chromium_pids(profile: str) -> list[int]:
     return [p.pid for p in psutil.process_iter(["cmdline"]) if any(profile in a for a in p.info["cmdline"] or [])]
 
 
-def _browser_runs(args, web_url: str, server_pids: dict[str, list[int]]) -> list[dict]:
-    from playwright.sync_api import sync_playwright
+class _Browser:
+    """Headless Chromium on the page of play's stack; `run(i)` is one click of Run, timed as the page shows it."""
 
-    runs = []
-    with tempfile.TemporaryDirectory(prefix="decodelab-bench-chromium-") as profile, sync_playwright() as pw:
-        ctx = pw.chromium.launch_persistent_context(
-            profile, executable_path=CHROMIUM, headless=True, viewport={"width": 1600, "height": 1000},
-            args=["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking"])
-        page = ctx.new_page()
-        page.goto(web_url)
-        page.wait_for_selector("#run")
-        page.locator("#prompt textarea").fill(args.prompt)
-        box = page.locator("#max-tokens input[type=number]")
-        box.fill(str(args.max_tokens))
-        box.press("Tab")
-        if getattr(args, "pipeline", False):
-            page.locator("#sampler-pipeline input[type=checkbox]").check()
-        pids = {**server_pids, "chromium": _chromium_pids(profile)}
-        for i in range(args.repeats + 1):  # the first run warms the replica up and is not counted
-            page.evaluate(WATCH_JS, [list(MODES), list(FINAL)])
-            cpu0 = _cpu_seconds(pids)
-            page.locator("#run").click()
-            # polled on a timer: requestAnimationFrame callbacks may not run in a headless page
-            page.wait_for_function("(modes) => modes.every(m => m in window.__dl.done)", arg=list(MODES),
-                                   polling=200, timeout=600_000)
-            t = page.evaluate("window.__dl")
-            cpu = {k: v - cpu0[k] for k, v in _cpu_seconds(pids).items()}
-            if i == 0:
-                continue
-            modes = {}
-            for m in MODES:
-                first, done, n = t["first"].get(m), t["done"][m], t["tokens"][m]
-                modes[m] = {"status": t["status"][m], "tokens": n,
-                            "ttft_ms": first - t["t0"] if first is not None else None,
-                            "tpot_ms": (done - first) / (n - 1) if first is not None and n > 1 else None}
-            shown = sum(modes[m]["tokens"] for m in MODES)  # the four main texts' tokens on screen
-            runs.append({"wall_s": (max(t["done"].values()) - t["t0"]) / 1e3, "modes": modes, "cpu_s": cpu,
-                         "web_cpu_ms_per_token": cpu["web"] * 1e3 / max(1, shown)})
-            print(f"browser run {i}: wall {runs[-1]['wall_s']:.2f} s  " + "  ".join(
-                f"{m} tpot {modes[m]['tpot_ms'] or float('nan'):.0f} ms" for m in MODES) + "  cpu s " + "  ".join(
-                f"{k} {v:.2f}" for k, v in cpu.items()), flush=True)
-        ctx.close()
-    return runs
+    def __init__(self, args, web_url: str, server_pids: dict[str, list[int]]):
+        self.args, self.web_url, self.server_pids = args, web_url, server_pids
+
+    def __enter__(self) -> _Browser:
+        from playwright.sync_api import sync_playwright
+
+        self._exit = contextlib.ExitStack()
+        try:
+            profile = self._exit.enter_context(tempfile.TemporaryDirectory(prefix="decodelab-bench-chromium-"))
+            pw = self._exit.enter_context(sync_playwright())
+            ctx = pw.chromium.launch_persistent_context(
+                profile, executable_path=CHROMIUM, headless=True, viewport={"width": 1600, "height": 1000},
+                args=["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                      "--disable-background-networking"])
+            self._exit.callback(ctx.close)
+            page = self.page = ctx.new_page()
+            page.goto(self.web_url)
+            page.wait_for_selector("#run")
+            page.locator("#prompt textarea").fill(self.args.prompt)
+            box = page.locator("#max-tokens input[type=number]")
+            box.fill(str(self.args.max_tokens))
+            box.press("Tab")
+            if getattr(self.args, "pipeline", False):
+                page.locator("#sampler-pipeline input[type=checkbox]").check()
+            self.pids = {**self.server_pids, "chromium": _chromium_pids(profile)}
+        except BaseException:
+            self._exit.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._exit.close()
+
+    def run(self, i: int) -> dict:
+        page = self.page
+        page.evaluate(WATCH_JS, [list(MODES), list(FINAL)])
+        cpu0 = _cpu_seconds(self.pids)
+        page.locator("#run").click()
+        # polled on a timer: requestAnimationFrame callbacks may not run in a headless page
+        page.wait_for_function("(modes) => modes.every(m => m in window.__dl.done)", arg=list(MODES),
+                               polling=200, timeout=600_000)
+        t = page.evaluate("window.__dl")
+        cpu = {k: v - cpu0[k] for k, v in _cpu_seconds(self.pids).items()}
+        modes = {}
+        for m in MODES:
+            first, done, n = t["first"].get(m), t["done"][m], t["tokens"][m]
+            modes[m] = {"status": t["status"][m], "tokens": n,
+                        "ttft_ms": first - t["t0"] if first is not None else None,
+                        "tpot_ms": (done - first) / (n - 1) if first is not None and n > 1 else None}
+        shown = sum(modes[m]["tokens"] for m in MODES)  # the four main texts' tokens on screen
+        out = {"wall_s": (max(t["done"].values()) - t["t0"]) / 1e3, "modes": modes, "cpu_s": cpu,
+               "web_cpu_ms_per_token": cpu["web"] * 1e3 / max(1, shown)}
+        print(f"browser run {i}: wall {out['wall_s']:.2f} s  " + "  ".join(
+            f"{m} tpot {modes[m]['tpot_ms'] or float('nan'):.0f} ms" for m in MODES) + "  cpu s " + "  ".join(
+            f"{k} {v:.2f}" for k, v in cpu.items()), flush=True)
+        return out
 
 
 # ---- 2. the OpenAI API, no browser
@@ -217,20 +239,35 @@ async def _api_once(engine_url: str, requests: dict) -> dict:
     return {"wall_s": time.perf_counter() - t0, "modes": dict(zip(requests, results))}
 
 
-# ---- 3. in-process
-def _inprocess_runs(args, requests: dict) -> list[dict]:
-    from engine_service.engine.flags import engine_config_from_args
-    from engine_service.engine.llm_engine import LLMEngine
-    from engine_service.engine.sampling_params import SamplingParams
+def _in_thread(fn):
+    """fn() on a thread of its own: Playwright's sync API keeps an event loop running on this one, so asyncio.run
+    here would refuse."""
+    from concurrent.futures import ThreadPoolExecutor
 
-    engine = LLMEngine(engine_config_from_args(args))
-    prompt = engine.tokenizer.apply_chat_template([m.model_dump() for m in requests["greedy"].messages],
-                                                  tokenize=False, add_generation_prompt=True)
-    runs = []
-    for i in range(args.repeats + 1):
-        t0 = time.perf_counter()
-        for m, req in requests.items():
-            engine.add_request(f"{m}-{i}", prompt, SamplingParams(**req.params.model_dump()))
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(fn).result()
+
+
+# ---- 3. in-process
+class _InProcess:
+    """The four requests in one LLMEngine of this process; `run(i)` is one run, timed around engine.step() as the
+    API path is timed."""
+
+    def __init__(self, args, requests: dict):
+        from engine_service.engine.flags import engine_config_from_args
+        from engine_service.engine.llm_engine import LLMEngine
+
+        self.requests = requests
+        self.engine = LLMEngine(engine_config_from_args(args))
+        self.prompt = self.engine.tokenizer.apply_chat_template(
+            [m.model_dump() for m in requests["greedy"].messages], tokenize=False, add_generation_prompt=True)
+
+    def run(self, i: int) -> dict:
+        from engine_service.engine.sampling_params import SamplingParams
+
+        engine, t0 = self.engine, time.perf_counter()
+        for m, req in self.requests.items():
+            engine.add_request(f"{m}-{i}", self.prompt, SamplingParams(**req.params.model_dump()))
         first: dict[str, float] = {}
         done: dict[str, tuple[float, int]] = {}
         while engine.has_unfinished():
@@ -241,13 +278,29 @@ def _inprocess_runs(args, requests: dict) -> list[dict]:
                     first[mode] = now
                 if out.finished:
                     done[mode] = (now, tokens)
-        if i == 0:
-            continue
         modes = {m: {"tokens": n, "ttft_ms": (first[m] - t0) * 1e3,
                      "tpot_ms": (end - first[m]) * 1e3 / (n - 1) if n > 1 else None}
                  for m, (end, n) in done.items()}
-        runs.append({"wall_s": time.perf_counter() - t0, "modes": modes})
-    return runs
+        return {"wall_s": time.perf_counter() - t0, "modes": modes}
+
+
+def same_window_ratios(runs: dict[str, list[dict]], base: str = "inprocess") -> dict[str, dict[str, float]]:
+    """Per path other than `base` and per mode, the median over runs of the path's TPOT over `base`'s in the same
+    round (run i against run i: the paths take turns, so a pair shares the machine's window; this VM's speed
+    drifts by up to ~25% over minutes, more than what a path adds)."""
+    out: dict[str, dict[str, float]] = {}
+    for path, got in runs.items():
+        if path == base or base not in runs:
+            continue
+        ratios = {}
+        for m in MODES:
+            pairs = [(a["modes"].get(m, {}).get("tpot_ms"), b["modes"].get(m, {}).get("tpot_ms"))
+                     for a, b in zip(got, runs[base])]
+            pairs = [x / y for x, y in pairs if x and y]
+            if pairs:
+                ratios[m] = median(pairs)
+        out[f"{path}/{base}"] = ratios
+    return out
 
 
 # ---- 4. where a step's time goes
@@ -278,19 +331,29 @@ def run(args: argparse.Namespace) -> int:
                "repeats": args.repeats, "cpu": cpu_info(), "threads": args.threads or torch.get_num_threads(),
                "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(default)"),
                "quantization": getattr(args, "quantization", None), "pipeline": args.pipeline, "paths": {}}
-    if "browser" in paths or "api" in paths:
-        stack, engine_url, web_url = _stack(args)
-        try:
+    # the paths take turns, run by run (browser, api, in-process, then again), so that each round's figures share
+    # the machine's window and same_window_ratios can compare them
+    runs: dict[str, list[dict]] = {}
+    with contextlib.ExitStack() as on_exit:
+        runners = {}
+        if "browser" in paths or "api" in paths:
+            stack, engine_url, web_url = _stack(args)
+            on_exit.callback(stack.stop)
             if "browser" in paths:
                 pids = {name: [proc.pid] for name, proc in stack.procs}
-                results["paths"]["browser"] = _summary(_browser_runs(args, web_url, pids))
+                runners["browser"] = on_exit.enter_context(_Browser(args, web_url, pids)).run
             if "api" in paths:
-                runs = [asyncio.run(_api_once(engine_url, requests)) for _ in range(args.repeats + 1)][1:]
-                results["paths"]["api"] = _summary(runs)
-        finally:
-            stack.stop()
-    if "inprocess" in paths:
-        results["paths"]["inprocess"] = _summary(_inprocess_runs(args, requests))
+                runners["api"] = lambda i: _in_thread(lambda: asyncio.run(_api_once(engine_url, requests)))
+        if "inprocess" in paths:
+            runners["inprocess"] = _InProcess(args, requests).run
+        for i in range(args.repeats + 1):  # the first round warms every path up and is not counted
+            for name, one in runners.items():
+                got = one(i)
+                if i:
+                    runs.setdefault(name, []).append(got)
+    for name, got in runs.items():
+        results["paths"][name] = _summary(got)
+    results["same_window"] = same_window_ratios(runs)
     if "breakdown" in paths:
         results["breakdown"] = _breakdown(args, requests)
         for name, b in results["breakdown"].items():
@@ -304,6 +367,9 @@ def run(args: argparse.Namespace) -> int:
         if "cpu_s" in res:
             print(f"{'':>10}  CPU s per run: " + ", ".join(f"{k} {v:.2f}" for k, v in res["cpu_s"].items())
                   + f"; web {res['web_cpu_ms_per_token']:.1f} ms per token on screen")
+    for pair, ratios in results["same_window"].items():
+        print(f"TPOT {pair}, same rounds (median of the pairs): "
+              + "  ".join(f"{m} {r:.2f}x" for m, r in ratios.items()))
     print(f"wrote {path} ({results['cpu']['label']})")
     return 0
 
@@ -317,7 +383,7 @@ def _plot(results: dict, path) -> None:
     for i, name in enumerate(paths):
         vals = [results["paths"][name]["modes"][m]["tpot_ms"] for m in MODES]
         ax.bar([x + i * width for x in range(len(MODES))], vals, width, label=name)
-    ax.axhline(50, color="k", ls="--", lw=0.8, label="goal 50 ms")
+    ax.axhline(40, color="k", ls="--", lw=0.8, label="goal 40 ms (issue 25)")
     ax.set_xticks([x + width * (len(paths) - 1) / 2 for x in range(len(MODES))], MODES)
     ax.set_ylabel("TPOT, median (ms)")
     ax.legend()
