@@ -203,7 +203,7 @@ class _Browser:
         shown = sum(modes[m]["tokens"] for m in MODES)  # the four main texts' tokens on screen
         out = {"wall_s": (max(t["done"].values()) - t["t0"]) / 1e3, "modes": modes, "cpu_s": cpu,
                "web_cpu_ms_per_token": cpu["web"] * 1e3 / max(1, shown)}
-        print(f"browser run {i}: wall {out['wall_s']:.2f} s  " + "  ".join(
+        print(f"browser run {i}{' (warm-up)' if i == 0 else ''}: wall {out['wall_s']:.2f} s  " + "  ".join(
             f"{m} tpot {modes[m]['tpot_ms'] or float('nan'):.0f} ms" for m in MODES) + "  cpu s " + "  ".join(
             f"{k} {v:.2f}" for k, v in cpu.items()), flush=True)
         return out
@@ -351,6 +351,7 @@ def run(args: argparse.Namespace) -> int:
                 got = one(i)
                 if i:
                     runs.setdefault(name, []).append(got)
+        del runners  # the in-process engine: the breakdown loads its own
     for name, got in runs.items():
         results["paths"][name] = _summary(got)
     results["same_window"] = same_window_ratios(runs)
