@@ -157,15 +157,14 @@ class _Browser:
     def __enter__(self) -> _Browser:
         from playwright.sync_api import sync_playwright
 
-        self._exit = contextlib.ExitStack()
-        try:
-            profile = self._exit.enter_context(tempfile.TemporaryDirectory(prefix="decodelab-bench-chromium-"))
-            pw = self._exit.enter_context(sync_playwright())
+        with contextlib.ExitStack() as opened:  # closed here if the page fails to come up, else in __exit__
+            profile = opened.enter_context(tempfile.TemporaryDirectory(prefix="decodelab-bench-chromium-"))
+            pw = opened.enter_context(sync_playwright())
             ctx = pw.chromium.launch_persistent_context(
                 profile, executable_path=CHROMIUM, headless=True, viewport={"width": 1600, "height": 1000},
                 args=["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
                       "--disable-background-networking"])
-            self._exit.callback(ctx.close)
+            opened.callback(ctx.close)
             page = self.page = ctx.new_page()
             page.goto(self.web_url)
             page.wait_for_selector("#run")
@@ -176,9 +175,7 @@ class _Browser:
             if getattr(self.args, "pipeline", False):
                 page.locator("#sampler-pipeline input[type=checkbox]").check()
             self.pids = {**self.server_pids, "chromium": _chromium_pids(profile)}
-        except BaseException:
-            self._exit.close()
-            raise
+            self._exit = opened.pop_all()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -288,9 +285,11 @@ def same_window_ratios(runs: dict[str, list[dict]], base: str = "inprocess") -> 
     """Per path other than `base` and per mode, the median over runs of the path's TPOT over `base`'s in the same
     round (run i against run i: the paths take turns, so a pair shares the machine's window; this VM's speed
     drifts by up to ~25% over minutes, more than what a path adds)."""
+    if base not in runs:
+        return {}
     out: dict[str, dict[str, float]] = {}
     for path, got in runs.items():
-        if path == base or base not in runs:
+        if path == base:
             continue
         ratios = {}
         for m in MODES:
