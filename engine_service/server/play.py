@@ -107,7 +107,35 @@ class Stack:
             self.redis.close()
 
 
-def wait_ready(url: str, stack: Stack, timeout: float, stop: threading.Event) -> None:
+class StopFlag:
+    """Set from a signal handler, read by the main loop. Not a threading.Event: its set() takes the lock that its
+    wait() holds for a moment, and a handler runs in the main thread, so a signal landing inside wait() blocked
+    forever on that lock (play ignored SIGTERM and Ctrl-C alike once, session 40). A plain attribute takes no lock;
+    wait() sleeps in short slices, which a signal only shortens."""
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout: float) -> bool:
+        end = time.monotonic() + timeout
+        while not self._set and (left := end - time.monotonic()) > 0:
+            time.sleep(min(left, 0.05))
+        return self._set
+
+
+def stop_on_signals(stop: StopFlag) -> None:
+    """SIGINT, SIGTERM and SIGHUP set `stop` (the main thread then stops the stack)."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda *_: stop.set())
+
+
+def wait_ready(url: str, stack: Stack, timeout: float, stop: StopFlag | threading.Event) -> None:
     end = time.monotonic() + timeout
     while not stop.is_set():
         if (why := stack.exited()) is not None:
@@ -123,9 +151,8 @@ def wait_ready(url: str, stack: Stack, timeout: float, stop: threading.Event) ->
 
 
 def run_play(args: argparse.Namespace) -> int:
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = StopFlag()
+    stop_on_signals(stop)
     stack = Stack()
     apply_play_defaults(args)
     try:

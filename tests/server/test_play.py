@@ -124,3 +124,33 @@ def test_play_lets_openmp_threads_sleep_only_where_the_engine_takes_every_core(m
     assert "OMP_WAIT_POLICY" not in play.service_env("redis://x") and play.service_env("redis://x")["REDIS_URL"]
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the user's own choice stays
     assert play.stack_env("redis://x", 4)["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+# a main loop waiting on play's stop flag while SIGTERM keeps arriving (every 2 ms for 2 s): with a threading.Event
+# as the flag, a signal landing inside Event.wait() ran its handler's set() against the lock wait() held, and the
+# process hung for good (it did once under `make play`, and this script hung within seconds)
+_FLOOD = """
+import os, signal, threading, time
+from engine_service.server.play import StopFlag, stop_on_signals
+stop = StopFlag()
+stop_on_signals(stop)
+def flood():
+    end = time.monotonic() + 2.0
+    while time.monotonic() < end:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.002)
+t = threading.Thread(target=flood)
+t.start()
+end = time.monotonic() + 2.2
+while time.monotonic() < end:
+    stop.wait(0.001)
+t.join()
+print("stopped" if stop.is_set() else "never set")
+"""
+
+
+def test_play_stop_flag_takes_signals_inside_its_wait_without_hanging():
+    # SIGKILL on timeout (the script catches SIGTERM itself)
+    out = subprocess.run([sys.executable, "-c", _FLOOD], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "stopped"
