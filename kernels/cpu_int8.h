@@ -159,9 +159,10 @@ static int int8_linear(const float* x, int64_t ldx, int64_t M, int64_t K, const 
             group(xq, xsum, xs, M, Kp, Gp, wp + (t) * group_bytes, (const char*)dp + n0 * (Kp / 32) * esz, \
                   (const char*)mp + n0 * Gp * esz, ahead, bias ? bias + n0 : 0, y + n0, N, nb, fmt); } while (0)
         /* From 4 rows the slabs go out guided (halves, then ever smaller pieces to whichever thread is free): two
-           equal static halves ended 8-14 us apart a call on average on a VM's cores, and the other thread waited (8 streams,
-           2 threads, AMD EPYC: 1.055x and 1.059x the tokens a second by interleaved runs, 4 streams 1.03x). At 1
-           row a call lasts ~20-70 us and the extra hand-outs cost more than they even out (0.97x): static there. */
+           equal static halves ended 8-14 us apart a call on average on a VM's cores, and the other thread waited
+           (8 streams, 2 threads, AMD EPYC: 1.055x and 1.059x the tokens a second by interleaved runs, 4 streams
+           1.03x). At 1 row a call lasts ~20-70 us and the extra hand-outs cost more than they even out (0.97x):
+           static there. */
         if (M >= 4) {
             #pragma omp for schedule(guided)
             for (int64_t t = 0; t < groups; t++) DL_SLAB(t);
