@@ -7,6 +7,7 @@ to the same run; malformed and oversized files give a message; Re-run live runs 
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 import re
@@ -180,10 +181,12 @@ def test_any_edit_of_a_run_file_is_refused_with_why_or_shown(edits):
             parent = parent[k]
         if what == len(ODD):  # drop it
             del parent[path[-1]]
+        # copies: a container of ODD's put in the document, then an edit inside it, changed ODD for the examples
+        # after it, or put a list in itself (hypothesis found both: a cycle json.dumps refuses)
         elif what == len(ODD) + 1 and isinstance(parent, list):  # repeat it
-            parent.append(parent[path[-1]])
+            parent.append(copy.deepcopy(parent[path[-1]]))
         else:
-            parent[path[-1]] = ODD[what % len(ODD)]
+            parent[path[-1]] = copy.deepcopy(ODD[what % len(ODD)])
     try:
         _open(json.dumps(doc))
     except share.ShareError:
