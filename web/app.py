@@ -23,7 +23,8 @@ CSS_PATH = Path(__file__).with_name("style.css")
 JS_PATH = Path(__file__).with_name("branching.js")  # click a token: its alternatives, pick one to branch
 TIPS_PATH = Path(__file__).with_name("tips.js")  # hover a token: its card, drawn from its data-* facts on demand
 PIPELINE_PATH = Path(__file__).with_name("pipeline.js")  # click a traced token: its sampler pipeline and a what-if
-NEWEST_PATH = Path(__file__).with_name("newest.js")  # a column keeps its newest drawing when frames cross
+# the streamed outputs draw themselves, only what changed (Gradio 6 redraws an HTML value whole on every frame)
+DRAW_JS = Path(__file__).with_name("draw.js").read_text()
 # the shading is the stylesheet's choice (style.css): no round trip, no re-render
 SHADE_JS = "(v) => { document.documentElement.dataset.shade = v; return []; }"
 DEFAULTS = Settings()
@@ -70,6 +71,11 @@ def theme() -> gr.themes.Base:
 def _mode_header(mode: str) -> None:
     title, text = HEADERS[mode]
     gr.HTML(f"<h3>{title}</h3><p>{text}</p>", elem_classes=["mode-head"])
+
+
+def _drawn(value: str = "", **kw) -> gr.HTML:
+    """An HTML output the page draws itself (web/draw.js): what a stream updates every frame."""
+    return gr.HTML(value, html_template="", js_on_load=DRAW_JS, **kw)
 
 
 def _example(i: int) -> tuple:
@@ -162,20 +168,20 @@ def build_app(service: Service) -> gr.Blocks:
                 compare = gr.Checkbox(DEFAULTS.compare_proposers, label="Compare proposers", interactive=False,
                                       elem_id="compare-proposers", info="needs a replica with a draft model")
         with gr.Row(equal_height=False):
-            outs = [gr.HTML(h.idle_column(m), elem_id=f"out-{m}", min_width=220) for m in MODES]
+            outs = [_drawn(h.idle_column(m), elem_id=f"out-{m}", min_width=220) for m in MODES]
         gr.HTML('<div class="sect">Probability trace <small>the chosen token\'s probability along each column\'s '
                 'text, and the entropy of its distribution</small></div>')
-        trace = gr.HTML(trace_html([]), elem_id="trace")
+        trace = _drawn(trace_html([]), elem_id="trace")
         with gr.Row(equal_height=False):
             with gr.Column(scale=3):
                 gr.HTML('<div class="sect">KV cache</div>')
-                kv = gr.HTML(elem_id="kv")
+                kv = _drawn(elem_id="kv")
             with gr.Column(scale=2, min_width=320):
                 gr.HTML('<div class="sect">Summary of the last run</div>')
                 chart = gr.Plot(show_label=False, elem_id="chart")
                 gr.HTML('<div class="sect">Engine steps (prefill vs decode) <small>on this machine\'s roofline'
                         '</small></div>')
-                steps = gr.HTML(roofline_html({}, {}), elem_id="steps")
+                steps = _drawn(roofline_html({}, {}), elem_id="steps")
         with gr.Accordion("Run data (JSON, also what the API returns)", open=False):
             run_json = gr.JSON(elem_id="run-json")
         # branches: the page script puts its command in window.dlBranchCmd and clicks one of these hidden buttons
@@ -231,7 +237,7 @@ def _share_events(s: share_view.ShareHandlers, inputs: list, frame: list, share_
 
 def page_js() -> str:
     """The page's scripts as the one function Gradio runs on load."""
-    scripts = (JS_PATH, TIPS_PATH, NEWEST_PATH, PIPELINE_PATH)
+    scripts = (JS_PATH, TIPS_PATH, PIPELINE_PATH)
     return "() => { " + " ".join(f"({p.read_text()})();" for p in scripts) + " }"
 
 

@@ -3,14 +3,15 @@ and the column's branch tree.
 
 Tokens of the main text carry what the click-to-branch script (web/branching.js) needs: `data-pos` (position in the
 branch's full token list) and `data-alts` (the top alternatives as JSON [[id, text, p], ...]); the column carries
-`data-mode`, `data-branch` and `data-seq`, a stamp larger on every drawing (web/newest.js keeps a column's newest
-drawing when two handlers' frames reach the page out of order). A token's hover card is drawn by web/tips.js on
-hover from the token's facts: `data-alts` and `data-id`, `data-lp` (log-prob), `data-h` (entropy), `data-k` (the
-probability a grammar masked) and `data-d` (a speculative draft check, `_draft_data`); its kind of speculative token
-is its `m-` class. A token whose request asked for its sampler pipeline carries it in `data-s` (web/pipeline.py),
-drawn by web/pipeline.js above the branch choices when the token is clicked. Each token also carries its
-shadings, `--u` (1 - p), `--h` (entropy / ENTROPY_SCALE) and, under a grammar, `--k` (the probability it masked):
-the "Shade tokens by" toggle only switches which one the stylesheet uses, so it needs no re-render.
+`data-mode`, `data-branch` and `data-seq`, a stamp larger on every drawing (web/draw.js keeps a column's newest
+drawing when two handlers' frames reach the page out of order, and redraws only the parts, split at SEP, that
+changed). A token's hover card is drawn by web/tips.js on hover from the token's facts: `data-alts` and `data-id`,
+`data-lp` (log-prob), `data-h` (entropy), `data-k` (the probability a grammar masked) and `data-d` (a speculative
+draft check, `_draft_data`); its kind of speculative token is its `m-` class. A token whose request asked for its
+sampler pipeline carries it in `data-s` (web/pipeline.py), drawn by web/pipeline.js above the branch choices when
+the token is clicked. Each token also carries its shadings, `--u` (1 - p), `--h` (entropy / ENTROPY_SCALE) and,
+under a grammar, `--k` (the probability it masked): the "Shade tokens by" toggle only switches which one the
+stylesheet uses, so it needs no re-render.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from web.spec_curve import spec_curve_html
 MODE_COLORS = {"greedy": "#2563eb", "beam": "#7c3aed", "sample": "#d97706", "speculative": "#059669"}
 STATUS = {"idle": "ready", "waiting": "waiting for the shared prompt", "queued": "queued", "running": "streaming",
           "done": "done", "error": "error", "cancelled": "stopped", "invalid": "check the settings", "off": "off"}
+SEP = "<!--s-->"  # between a column's parts (web/draw.js)
 ENTROPY_SCALE = 5.0  # nats shaded at full strength (e^5 ~ 150 equally likely tokens)
 _last_stamp = 0
 
@@ -305,7 +307,8 @@ def column_html(col: Column, greedy: Column | None = None, spec_k: int = 4, tree
     elif col.mode == "sample":
         parts.append(_samples_html(col))
     parts.append("</div>")
-    return "".join(parts)
+    # the opening tag, each part, the closing tag, split at SEP: web/draw.js redraws only the parts that changed
+    return SEP.join(parts)
 
 
 def message_html(text: str | None, kind: str = "error") -> str:

@@ -127,7 +127,7 @@ def test_every_drawing_of_a_column_is_stamped_later_than_the_one_before():
 def test_the_runs_last_frame_sends_an_unchanged_column_as_drawn_before():
     """The last frame (what the API returns) has every column; one unchanged since its last drawing goes as the
     same string, old stamp and all: the page neither redraws it (an open hover card stays) nor lets it land over a
-    branch drawn since (web/newest.js)."""
+    branch drawn since (web/draw.js)."""
     import gradio as gr
 
     from web.handlers import Handlers

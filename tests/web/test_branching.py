@@ -105,25 +105,25 @@ def test_branching_while_the_run_streams_breaks_neither(tiny_stack, page):
     assert page.errors == []
 
 
-NEWER_THEN_OLDER_JS = """async () => {
-    const col = document.querySelector('#out-greedy .dl-col');
-    const pause = () => new Promise((r) => setTimeout(r, 50));
-    const seq = Number(col.dataset.seq);
-    col.dataset.seq = String(seq + 10);  // a drawing made later...
-    col.dataset.status = 'done';
-    col.querySelector('.txt').insertAdjacentHTML('beforeend', '<b class="probe">newer</b>');
-    await pause();
-    col.dataset.seq = String(seq + 5);  // ...then one made before it, arriving after it
-    col.dataset.status = 'running';
-    col.querySelector('.probe').textContent = 'older';
-    await pause();
+NEWER_THEN_OLDER_JS = """() => {
+    // the column's own drawing function (web/draw.js), fed as Gradio feeds it: a frame stamped later, then one
+    // stamped before it that arrives after it
+    const host = document.querySelector('#out-greedy');
+    const el = [...host.querySelectorAll('*')].find((e) => e.dlDraw);
+    const html = el.dlDrawn(), seq = Number(el.querySelector('.dl-col').dataset.seq);
+    const frame = (stamp, status, probe) => html.replace(/data-seq="\\d+"/, `data-seq="${stamp}"`)
+        .replace(/data-status="\\w+"/, `data-status="${status}"`)
+        .replace('<div class="txt">', `<div class="txt"><b class="probe">${probe}</b>`);
+    el.dlDraw(frame(seq + 10, 'done', 'newer'));
+    el.dlDraw(frame(seq + 5, 'running', 'older'));
+    const col = el.querySelector('.dl-col');
     return [col.dataset.seq === String(seq + 10), col.dataset.status, col.querySelector('.probe').textContent];
 }"""
 
 
 def test_a_column_keeps_its_newest_drawing_when_frames_cross(tiny_stack, page):
-    """web/newest.js: Run and a branch's stream both draw a column, and Gradio sends a stream's last frame again
-    when it completes, so an older frame can land after a newer one; the page puts the newer one back."""
+    """web/draw.js: Run and a branch's stream both draw a column, and Gradio sends a stream's last frame again
+    when it completes, so an older frame can land after a newer one; the page keeps the newer one."""
     web, _, _ = tiny_stack
     run_raw_prompt(page, web.url, 6)
     wait_columns_final(page, 60_000)
@@ -138,4 +138,32 @@ def test_a_column_keeps_its_newest_drawing_when_frames_cross(tiny_stack, page):
     expect(col).to_have_attribute("data-branch", "1", timeout=5_000)
     expect(col).to_have_attribute("data-status", "done", timeout=30_000)
     assert len(texts(page)) > 3
+    assert page.errors == []
+
+
+GROWN_JS = """() => {
+    // a frame whose token text grew by one token: web/draw.js appends it and keeps every node drawn before (a hover
+    // card open on a token stays); a part that changed otherwise (the metrics) is replaced
+    const el = [...document.querySelector('#out-greedy').querySelectorAll('*')].find((e) => e.dlDraw);
+    const html = el.dlDrawn(), seq = Number(el.querySelector('.dl-col').dataset.seq);
+    const first = el.querySelector('.dl-col > .txt .tk'), metrics = el.querySelector(".dl-col > .mts");
+    first.insertAdjacentHTML('beforeend', '<span class="tip">card</span>');
+    const grown = html.replace(/data-seq="\\d+"/, `data-seq="${seq + 1}"`)
+        .replace(/(<div class="txt">[\\s\\S]*?)<\\/div>/, '$1<span class="tk" data-pos="99">grown</span></div>')
+        .replace('<div class="mts">', '<div class="mts"><b class="probe">m</b>');
+    el.dlDraw(grown);
+    const tks = el.querySelectorAll('.dl-col > .txt .tk');
+    return [el.querySelector('.dl-col > .txt .tk') === first, first.querySelector('.tip') !== null,
+            tks[tks.length - 1].textContent, el.querySelector(".dl-col > .mts") !== metrics,
+            el.querySelector(".dl-col > .mts .probe") !== null, el.querySelector('.dl-col').dataset.seq];
+}"""
+
+
+def test_a_grown_column_appends_its_new_tokens_and_keeps_the_drawn_ones(tiny_stack, page):
+    web, _, _ = tiny_stack
+    run_raw_prompt(page, web.url, 6)
+    wait_columns_final(page, 60_000)
+    page.wait_for_timeout(1_000)  # the run's last frames are in
+    seq = int(page.locator("#out-greedy .dl-col").get_attribute("data-seq"))
+    assert page.evaluate(GROWN_JS) == [True, True, "grown", True, True, str(seq + 1)]
     assert page.errors == []
