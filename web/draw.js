@@ -1,14 +1,14 @@
 /* DecodeLab playground: an HTML output drawn by its own code, only what changed (run by Gradio as the component's
    js_on_load, with `element`, `props` and `watch`; the component's html_template is empty, so Gradio draws nothing).
-   Gradio 6's HTML component redraws its whole value on every update: it evaluates it as a JavaScript template
-   literal, parses it and walks the DOM comparing every node's attributes. A streaming column re-sends all its tokens
-   each frame, so the page's work grew with the square of the text, on the core the engine shares (docs/playground.md).
-   Here a column's HTML comes in parts split at SEP (web/render.py): a part equal to the one drawn stays as it is; a
-   part that only grew (the token text, `<div ...>...</div>` with more tokens before its end) gets the new tokens
-   appended; any other changed part is parsed and replaced alone. A value without SEP (the trace, the KV panel) is
-   drawn whole, and only when it changed. A column's drawing carries a stamp, data-seq, larger on every drawing: a
-   frame older than the one drawn (two handlers draw a column, and Gradio sends a stream's last frame again when it
-   completes) is dropped, so a column keeps its newest drawing. */
+   Gradio 6's HTML component redraws its whole value on every update: it parses it and walks the DOM comparing every
+   node's attributes, removing what the new value lacks (a hover card web/tips.js put in a token went every frame of
+   a streaming column, which re-sends all its tokens). Here a column's HTML comes in parts split at SEP
+   (web/render.py): a part equal to the one drawn stays as it is; a part that only grew (the token text,
+   `<div ...>...</div>` with more tokens before its end) gets the new tokens appended; any other changed part is
+   parsed and replaced alone. A value without SEP (the trace, the KV panel) is drawn whole, and only when it changed.
+   A column's drawing carries a stamp, data-seq, larger on every drawing: a frame older than the one drawn (two
+   handlers draw a column, and Gradio sends a stream's last frame again when it completes) is dropped, so a column
+   keeps its newest drawing. (The page's CPU a run did not measurably change: docs/benchmarks.md, session 41.) */
 const SEP = "<!--s-->";
 const END = "</div>";
 let drawn = null;  // the value drawn, in its parts
