@@ -20,7 +20,7 @@ const fragment = (html) => {
 };
 const stamp = (head) => Number((/ data-seq="(\d+)"/.exec(head) || [0, 0])[1]);
 
-const parts = (v, ps) => {  // false where the drawing's shape changed: then it is drawn whole
+const parts = (ps) => {  // false where the drawing's shape changed: then it is drawn whole
   const col = element.firstElementChild;
   if (!drawn || drawn.length !== ps.length || ps.length < 3 || !col) return false;
   const anchors = [...col.childNodes].filter((n) => n.nodeType === Node.COMMENT_NODE && n.data === "s");
@@ -51,7 +51,7 @@ const draw = (value) => {
   if (v === last) return;
   const ps = v.split(SEP);
   if (drawn && ps.length > 1 && stamp(ps[0]) < stamp(drawn[0])) return;  // an older frame, arriving late
-  if (!parts(v, ps)) element.innerHTML = v;
+  if (!parts(ps)) element.innerHTML = v;
   drawn = ps;
   last = v;
 };
