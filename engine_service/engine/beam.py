@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from engine_service.engine.outputs import CompletionOutput
-from engine_service.engine.sampler import entropy
+from engine_service.engine.sampler import entropy, topk_rows
 from engine_service.engine.sequence import Request, Sequence
 
 
@@ -81,12 +81,12 @@ class BeamSearch:
         # unprocessed rows take one topk for both the candidates and the top log-probs.
         k = min(self.num_candidates, vocab * len(beams))
         if unprocessed:
-            values, ids = raw.topk(min(max(k, self.num_logprobs or 0), vocab), dim=1)
+            values, ids = topk_rows(raw, min(max(k, self.num_logprobs or 0), vocab))
             tops = self._tops(raw, (values, ids))
             row_top, row_ids = values[:, :k] + self.scores[:, None], ids[:, :k]
         else:
             tops = self._tops(raw)
-            row_top, row_ids = (processed + self.scores[:, None]).topk(min(k, vocab), dim=1)
+            row_top, row_ids = topk_rows(processed + self.scores[:, None], min(k, vocab))
         top, at = row_top.view(-1).topk(k)
         flat = (at // row_top.shape[1]) * vocab + row_ids.reshape(-1)[at]
         # a grammar (structured outputs) may allow fewer tokens than candidates: never continue a -inf one
@@ -198,7 +198,7 @@ class BeamSearch:
         children of a beam share their parent's), or the first columns of `top`, a wider one already taken."""
         if not self.num_logprobs:
             return [{} for _ in range(raw.shape[0])]
-        values, ids = raw.topk(self.num_logprobs, dim=-1) if top is None else top
+        values, ids = topk_rows(raw, self.num_logprobs) if top is None else top
         n = self.num_logprobs
         return [dict(zip(i[:n], v[:n])) for i, v in zip(ids.tolist(), values.tolist())]
 

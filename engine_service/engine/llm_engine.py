@@ -17,7 +17,7 @@ from engine_service.engine.outputs import RequestOutput, request_output
 from engine_service.engine.prompt_logprobs import positions_to_score, score_prompt
 from engine_service.engine.proposers import DraftModel
 from engine_service.engine.roofline import CostModel, StepRecord, StepShape
-from engine_service.engine.sampler import SamplingBatch, entropy, process_logits, sample
+from engine_service.engine.sampler import SamplingBatch, entropy, process_logits, sample, topk_rows
 from engine_service.engine.sampling_params import SamplingParams
 from engine_service.engine.scheduler import Scheduler
 from engine_service.engine.sequence import Request, Sequence, SpecStats
@@ -196,15 +196,18 @@ class LLMEngine:
             seq.draft_probs = None  # the checks hold what they need of q: free the [k, vocab] rows
             self.block_manager.truncate(seq, seq.num_tokens + len(v.tokens) - 1)  # KV of the accepted drafts stays
             p = seq.request.params
-            tops = [None] * len(v.tokens)
-            if p.logprobs:  # one topk for the step's rows
-                values, ids = v.logprobs.topk(p.logprobs, dim=-1)
+            tops, ents = [None] * len(v.tokens), [None] * len(v.tokens)
+            if p.logprobs is not None:  # one pass for the step's rows
+                ents = entropy(v.logprobs).tolist()
+            if p.logprobs:
+                values, ids = topk_rows(v.logprobs, p.logprobs)
                 tops = [dict(zip(i, x)) for i, x in zip(ids.tolist(), values.tolist())]
-            for token, mark, row, check, masked, top in zip(v.tokens, v.marks, v.logprobs, v.checks, v.masked, tops):
+            chosen = v.logprobs.gather(1, torch.tensor(v.tokens)[:, None].to(v.logprobs.device))[:, 0].tolist()
+            for token, mark, lp, check, masked, top, ent in zip(v.tokens, v.marks, chosen, v.checks, v.masked, tops,
+                                                                ents):
                 seq.spec_marks.append(mark)
                 seq.draft_checks.append(check)
-                ent = float(entropy(row)) if p.logprobs is not None else None
-                self._append_token(seq, token, float(row[token]), top, now, ent, masked)
+                self._append_token(seq, token, lp, top, now, ent, masked)
                 if seq.is_finished:
                     break
             if not seq.is_finished:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from engine_service.engine.proposers import Context, DraftModel, Proposal, ngram_propose
-from engine_service.engine.sampler import position_noise, process_logits
+from engine_service.engine.sampler import argmax_rows, position_noise, process_logits
 from engine_service.engine.scheduler import ScheduledBatch
 from engine_service.engine.sequence import Sequence, SpecStats
 from engine_service.engine.structured import masked_mass
@@ -50,8 +50,7 @@ def verify(processed: torch.Tensor, drafts: list[int], noise: torch.Tensor | Non
     their Exp(1) noise (None: greedy, the argmax). Returns the tokens to append (the drafts equal to the
     target's own draws, then the target's token at the first mismatch or after the last draft) and their
     marks ("target" alone when there was no draft)."""
-    target = processed.argmax(dim=-1) if noise is None else (processed.softmax(dim=-1) / noise).argmax(dim=-1)
-    target = target.tolist()
+    target = argmax_rows(processed if noise is None else processed.softmax(dim=-1) / noise).tolist()
     k, a = len(drafts), 0
     while a < k and drafts[a] == target[a]:
         a += 1
@@ -96,7 +95,7 @@ def draft_checks(rows: torch.Tensor, drafts: list[int], q: torch.Tensor | None, 
     q = torch.zeros_like(p).scatter_(1, x[:, None], 1.0) if point_mass else q[:n].to(p.device, p.dtype)
     p_x, q_x = p.gather(1, x[:, None])[:, 0], q.gather(1, x[:, None])[:, 0]
     if greedy:
-        accept = (rows[:n].argmax(-1) == x).to(p.dtype)
+        accept = (argmax_rows(rows[:n]).to(x.device) == x).to(p.dtype)
     else:
         accept = (p_x / q_x.clamp_min(torch.finfo(p.dtype).tiny)).clamp_max(1.0)
     checks: list[dict | None] = [

@@ -1,7 +1,8 @@
 """The sampler's per-row work (sampler.py): top-k / top-p / min-p run only on the rows that ask for them, and
 top-k followed by top-p cuts inside the k largest logits instead of sorting the vocabulary. Both keep exactly
 the tokens Hugging Face's processors keep, as does top-p alone without sorting the vocabulary. Rows that are all
-plain greedy take one C pass inside sample() and get what the full sampler gives, alone or beside any other rows."""
+plain greedy take one C pass inside sample() and get what the full sampler gives, alone or beside any other rows.
+The row helpers that replace torch's slow CPU reductions (argmax_rows, topk_rows, finite_ids) give torch's answers."""
 from dataclasses import replace
 from types import SimpleNamespace
 from unittest import mock
@@ -19,9 +20,12 @@ from engine_service.engine.sampler import (
     apply_top_k_top_p,
     apply_top_p,
     apply_top_p_partial,
+    argmax_rows,
+    finite_ids,
     plain_rows,
     process_logits,
     sample,
+    topk_rows,
 )
 from kernels import cpu_logits
 
@@ -232,3 +236,31 @@ def test_top_p_without_a_sort_keeps_the_tokens_hf_keeps(seed, vocab, rows, top_p
         assert torch.equal(ours[i].isfinite(), theirs.isfinite())
         assert torch.equal(ours[i][theirs.isfinite()], logits[i][theirs.isfinite()])
     assert torch.equal(ours, apply_top_p(logits, torch.full((rows,), top_p)))
+
+
+ROW_VALUES = st.sampled_from([0.0, 1.0, -1.0, 2.5, float("-inf"), float("inf"), float("nan")])
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.integers(1, 4).flatmap(lambda s: st.integers(1, 70).flatmap(
+    lambda v: st.lists(st.lists(ROW_VALUES | st.floats(-5, 5, width=32), min_size=v, max_size=v), min_size=s,
+                       max_size=s))))
+def test_the_row_helpers_answer_as_torch(rows):
+    x = torch.tensor(rows, dtype=torch.float32)
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))  # the first maximum, a NaN first of all
+    assert torch.equal(argmax_rows(x[0]), x[0].argmax())
+    assert torch.equal(finite_ids(x[0]), x[0].isfinite().nonzero().flatten())
+    clean = x.nan_to_num(nan=0.0, posinf=9.0).contiguous()  # logits: no NaN or +inf
+    for n in {1, min(5, clean.shape[1]), clean.shape[1]}:
+        values, ids = topk_rows(clean, n)
+        want = clean.topk(n, dim=-1).values
+        assert torch.equal(values, want)  # the same values, largest first
+        assert torch.equal(clean.gather(1, ids), values)  # and ids that hold them
+        assert all(len(set(r)) == n for r in ids.tolist())
+
+
+def test_topk_rows_takes_torch_where_our_kernel_does_not_apply():
+    x = torch.randn(2, 600)
+    with mock.patch.object(cpu_logits, "enabled", return_value=False):
+        assert torch.equal(topk_rows(x, 7)[1], x.topk(7, dim=-1).indices)
+    assert torch.equal(topk_rows(x, 513)[0], x.topk(513, dim=-1).values)  # past the kernel's 512
