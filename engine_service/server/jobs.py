@@ -32,6 +32,7 @@ class Job:
     prefill_only: bool = False  # a prefill replica computes its prompt, then hands it over (no tokens sent)
     kv: KVBlocks | None = None  # decode side: the blocks a prefill replica sent, until the engine thread imports them
     handover: dict | None = None  # decode side: from, blocks, bytes, transfer_ms, imported_tokens (DoneEvent metrics)
+    logprob_memo: dict = field(default_factory=dict)  # events.token_logprobs' records by engine entry
 
     @property
     def rid(self) -> str:
