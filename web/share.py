@@ -83,7 +83,7 @@ class SavedNode(_Saved):
     id: int
     step: int = -1
     parent: int | None = None
-    kind: str = "root"
+    kind: Literal["root", "fork", "finish"] = "root"  # (beam_tree.Node's: the page draws these three)
     token: str = ""
     logprob: float | None = None
     score: float | None = None

@@ -193,6 +193,16 @@ def test_any_edit_of_a_run_file_is_refused_with_why_or_shown(edits):
         pass
 
 
+def test_a_beam_node_of_a_kind_the_page_does_not_draw_is_refused():
+    # hypothesis found it: a node's kind emptied, the file opened and drawing the tree raised KeyError
+    doc = json.loads(share.dumps(share.saved_run(_run())))
+    nodes = [n for t in doc["trees"].values() for b in t["branches"] for n in b["column"]["beam_nodes"]]
+    assert nodes
+    nodes[0]["kind"] = ""
+    with pytest.raises(share.ShareError, match="kind"):
+        _open(json.dumps(doc))
+
+
 # ---- in a real browser, against a real replica that restarts
 @pytest.fixture(scope="module")
 def share_stack(redis_server, tiny_llama_dir):
