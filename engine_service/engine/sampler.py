@@ -200,33 +200,42 @@ def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                      after_top_k: list | None = None) -> torch.Tensor | None:
-    """apply_top_k then apply_top_p (a row with top_p >= 1 skips it), for rows that all have a top-k
-    (top_k [S] > 0, on the CPU): the top-p cut is found among each row's k largest logits, sorted by topk,
-    instead of sorting the vocabulary (49k logits: ~4 ms a row on one core of the 2-core target, topk ~0.1 ms).
-    Same tokens kept as the two steps, up to float rounding in the softmax's sum; None when a row has ties
-    across its k-th largest logit (top-k then keeps more than k tokens): use the two steps then."""
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None:
+    """apply_top_k then apply_top_p (a row with top_p >= 1 skips it) for rows that all have a top-k (top_k [S] > 0),
+    through top_k_top_p_kept; None when a row ties across its k-th largest logit."""
+    ids, _, kept, tied = top_k_top_p_kept(logits, top_k, top_p)
+    if bool(tied.any()):
+        return None
+    return torch.full_like(logits, float("-inf")).scatter_(1, ids, kept)
+
+
+def top_k_top_p_kept(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top-k, then top-p (a row with top_p >= 1 skips it), for CPU rows that all have a top-k (top_k [S] > 0): the
+    top-p cut is found among each row's k largest logits, sorted, instead of sorting the vocabulary (49k logits:
+    ~4 ms a row on one core of the 2-core target). Returns (ids [S, w], their logits after top-k [S, w], after
+    top-p [S, w], -inf where cut, w the largest k, largest first; tied [S]): the tokens the two steps keep (HF's,
+    up to float rounding in the cumulative sum), except on a `tied` row, one with ties across its k-th largest
+    logit (top-k then keeps more than k tokens), which the caller takes through the two steps. A row's result
+    does not depend on the others' k (the cumulative sum runs over its own k, below)."""
     k = top_k.to(logits.device)
     width = int(top_k.max())
     # one more than the widest k: a row ties across its k-th largest logit iff its (k+1)-th equals it
     values, ids = topk_rows(logits, min(width + 1, logits.shape[1]))  # descending
-    kth = values.gather(1, (k - 1)[:, None])
+    kth = values.gather(1, (k - 1)[:, None])[:, 0]
     beyond = k < values.shape[1]  # rows with a (k+1)-th logit
-    after = values.gather(1, torch.where(beyond, k, k - 1)[:, None])
-    if bool(((after == kth) & beyond[:, None]).any()):
-        return None
+    tied = beyond & (values.gather(1, torch.where(beyond, k, k - 1)[:, None])[:, 0] == kth)
     values, ids = values[:, :width], ids[:, :width]
     beyond_k = torch.arange(values.shape[1], device=logits.device) >= k[:, None]
     values = values.masked_fill(beyond_k, float("-inf"))
-    if after_top_k is not None:  # the sampler pipeline's top-k stage (pipeline.Tracer), from the same tensors
-        after_top_k.append((ids, values))
-    # HF's top-p on the ascending order (the tokens top-k removed sit first with probability 0)
-    cum = values.flip(1).softmax(dim=1).cumsum(dim=1)
+    # HF's top-p on the ascending order, the tokens top-k removed first with probability 0: a running sum from the
+    # left (a softmax's sum would group the terms by position, so another row's wider k could move the cut)
+    e = (values.flip(1) - values[:, :1]).exp()
+    cum = e.cumsum(dim=1)
+    cum = cum / cum[:, -1:]
     drop = (cum <= (1 - top_p.to(logits.device))[:, None]) & (top_p < 1).to(logits.device)[:, None]
     drop[:, -1] = False
-    kept = values.masked_fill(drop.flip(1), float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter_(1, ids, kept)
+    return ids, values, values.masked_fill(drop.flip(1), float("-inf")), tied
 
 
 def _on_rows(logits: torch.Tensor, rows: list[int], fn) -> torch.Tensor:
@@ -320,19 +329,19 @@ def process_logits(logits: torch.Tensor, b: SamplingBatch, tracer: Tracer | None
             tracer.record("temperature", logits, temp_rows)
     elif k_rows or p_rows or min_p_rows:
         logits = logits.clone()  # _on_rows writes its rows in place: never into the caller's tensor
-    fused = []  # rows whose top-k and top-p run as one step
-    if p_rows and set(p_rows) <= set(k_rows) and logits.device.type == "cpu":  # sorts cost on a CPU, syncs do not
-        after_k = [] if tracer is not None else None  # traced rows' top-k stage, a by-product of the fused step
-        both = apply_top_k_top_p(logits[k_rows], top_k[k_rows], top_p[k_rows], after_k)
-        if both is not None:
-            fused = k_rows
+    fused = []  # rows whose top-k and top-p run as one step (each row's own choice: a batch-mate cannot move it)
+    if k_rows and logits.device.type == "cpu":  # sorts cost on a CPU, syncs do not
+        ids, after_k, kept, tied = top_k_top_p_kept(logits[k_rows], top_k[k_rows], top_p[k_rows])
+        ok = [i for i, t in enumerate(tied.tolist()) if not t]
+        if ok:
+            fused = [k_rows[i] for i in ok]
             if tracer is not None:  # both stages as kept tokens only: the k ids, before and after the top-p cut
-                ids, values = after_k[0]
-                tracer.record_kept("top_k", k_rows, ids, values)
+                tracer.record_kept("top_k", fused, ids[ok], after_k[ok])
                 p_set = set(p_rows)
-                cut = [i for i, r in enumerate(k_rows) if r in p_set]
-                tracer.record_kept("top_p", [k_rows[i] for i in cut], ids[cut], both.gather(1, ids)[cut])
-            logits = _on_rows(logits, fused, lambda _: both)
+                cut = [i for i in ok if k_rows[i] in p_set]
+                tracer.record_kept("top_p", [k_rows[i] for i in cut], ids[cut], kept[cut])
+            cut_logits = torch.full((len(ok), vocab), float("-inf"), dtype=logits.dtype).scatter_(1, ids[ok], kept[ok])
+            logits = _on_rows(logits, fused, lambda _: cut_logits)
     k_rows, p_rows = [r for r in k_rows if r not in fused], [r for r in p_rows if r not in fused]
     logits = _on_rows(logits, k_rows, lambda x: apply_top_k(x, top_k[k_rows]))
     if tracer is not None:
@@ -375,16 +384,21 @@ def _penalised_rows(b: SamplingBatch) -> list[int]:
 
 def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
     """One token per row, with its raw log-prob (and the batch's top-N and entropies where asked). Plain greedy
-    rows (plain_rows) take one C pass (_sample_greedy) and the rest the processors; what each row gets does not
-    depend on the split (greedy rows draw no noise)."""
-    plain = plain_rows(b) if cpu_logits.applies(logits) else []
-    if len(plain) == logits.shape[0]:
-        return _sample_greedy(logits, b)
-    if not plain:
-        return _sample_full(logits, b)
-    n, chosen = logits.shape[0], set(plain)
-    rest = [r for r in range(n) if r not in chosen]
-    return _merge(n, plain, _sample_greedy(logits[plain], b), rest, _sample_full(logits[rest], b.take(rest)))
+    rows (plain_rows) take one C pass (_sample_greedy), rows only temperature, top-k and top-p act on (cut_rows)
+    race among their k largest logits (_sample_cut), and the rest take the processors; what each row gets does not
+    depend on the split (greedy rows draw no noise; a cut row draws the noise _sample_full would)."""
+    n = logits.shape[0]
+    plain, cut = (plain_rows(b), cut_rows(b, logits.shape[1])) if cpu_logits.applies(logits) else ([], [])
+    parts = []  # (rows, their output)
+    if plain:
+        parts.append((plain, _sample_greedy(logits if len(plain) == n else logits[plain], b)))
+    if cut and (out := _sample_cut(logits, b, cut)) is not None:
+        parts.append((cut, out))
+    taken = {r for rows, _ in parts for r in rows}
+    rest = [r for r in range(n) if r not in taken]
+    if rest:
+        parts.append((rest, _sample_full(logits, b) if not taken else _sample_full(logits[rest], b.take(rest))))
+    return parts[0][1] if len(parts) == 1 else _merge(n, parts)
 
 
 def _sample_full(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
@@ -428,8 +442,24 @@ def plain_rows(b: SamplingBatch) -> list[int]:
     if b.grammar is not None:
         return []
     greedy = [r for r, t in enumerate(b.temperature.tolist()) if t < SAMPLING_EPS]  # (a few rows: no nonzero())
-    moved = set(_penalised_rows(b)) | {r for r, n in enumerate(b.stages or []) if n}
+    moved = _moved_rows(b) if greedy else set()
     return [r for r in greedy if r not in moved]
+
+
+def cut_rows(b: SamplingBatch, vocab: int) -> list[int]:
+    """The sampled rows that only the temperature, a top-k (0 < k < vocab) and top-p act on: no penalty, bias or
+    min_tokens ban, no min-p, no grammar in the batch, no sampler pipeline to trace (_sample_cut)."""
+    if b.grammar is not None:
+        return []
+    rows = [r for r, (t, k, m) in enumerate(zip(b.temperature.tolist(), b.top_k.tolist(), b.min_p.tolist()))
+            if t >= SAMPLING_EPS and 0 < k < vocab and m <= 0]
+    moved = _moved_rows(b) if rows else set()
+    return [r for r in rows if r not in moved]
+
+
+def _moved_rows(b: SamplingBatch) -> set[int]:
+    """Rows process_logits changes before the temperature (penalties, bias, bans) or traces (sampler_stages)."""
+    return set(_penalised_rows(b)) | {r for r, n in enumerate(b.stages or []) if n}
 
 
 def _sample_greedy(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
@@ -441,24 +471,50 @@ def _sample_greedy(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
     return SamplerOutput(ids[:, 0], lp[:, 0], ids if top else None, lp if top else None, ent if b.entropy else None)
 
 
-def _merge(n: int, a_rows: list[int], a: SamplerOutput, b_rows: list[int], b: SamplerOutput) -> SamplerOutput:
-    """Two outputs of parts of one batch (take() keeps their shapes alike) as the batch's, row by row."""
-    def put(x: torch.Tensor | None, y: torch.Tensor | None) -> torch.Tensor | None:
-        if x is None:
-            assert y is None
+def _sample_cut(logits: torch.Tensor, b: SamplingBatch, rows: list[int]) -> SamplerOutput | None:
+    """sample() for cut_rows: the temperature as process_logits divides by it, top-k and top-p among each row's k
+    largest logits (top_k_top_p_kept), and the race among the tokens they keep, in id order as _race has them:
+    the tokens, noise draws and log-probs of _sample_full, without its passes over the vocabulary (~1.5 ms a row
+    on the 2-core target, ~0.3 here). None when a row ties across its k-th largest logit: the full path then."""
+    x = logits[rows]
+    scaled = x / b.temperature[rows].to(x.device)[:, None]
+    ids, _, kept, tied = top_k_top_p_kept(scaled, b.top_k[rows], b.top_p[rows])
+    if bool(tied.any()):
+        return None
+    tokens = []
+    for i, r in enumerate(rows):
+        finite = kept[i].isfinite()
+        candidates, values = ids[i][finite], kept[i][finite]
+        order = candidates.argsort()
+        tokens.append(int(candidates[order][_race_among(values[order], b.generators[r])]))
+    lse, ent, top_ids, top_lp = cpu_logits.logit_stats(x, b.num_logprobs)
+    token_ids = torch.tensor(tokens, dtype=torch.int64)
+    top = b.num_logprobs > 0
+    return SamplerOutput(token_ids, x.gather(1, token_ids[:, None]).squeeze(1) - lse, top_ids if top else None,
+                         top_lp if top else None, ent if b.entropy else None)
+
+
+def _merge(n: int, parts: list[tuple[list[int], SamplerOutput]]) -> SamplerOutput:
+    """Outputs of parts of one batch (take() keeps their shapes alike) as the batch's, row by row."""
+    def put(name: str) -> torch.Tensor | None:
+        xs = [getattr(out, name) for _, out in parts]
+        if xs[0] is None:
+            assert all(x is None for x in xs)
             return None
-        out = x.new_empty((n, *x.shape[1:]))
-        out[a_rows], out[b_rows] = x, y.to(x.dtype)
-        return out
+        whole = xs[0].new_empty((n, *xs[0].shape[1:]))
+        for (rows, _), x in zip(parts, xs):
+            whole[rows] = x.to(whole.dtype)
+        return whole
 
     stages = None
-    if b.stages is not None:
+    if any(out.stages is not None for _, out in parts):
         stages = [None] * n
-        for r, st in zip(b_rows, b.stages):
-            stages[r] = st
-    assert a.masked is None and b.masked is None  # (no split with a grammar)
-    return SamplerOutput(put(a.token_ids, b.token_ids), put(a.logprobs, b.logprobs), put(a.top_ids, b.top_ids),
-                         put(a.top_logprobs, b.top_logprobs), put(a.entropy, b.entropy), None, stages)
+        for rows, out in parts:
+            for r, st in zip(rows, out.stages or []):
+                stages[r] = st
+    assert all(out.masked is None for _, out in parts)  # (no split with a grammar)
+    return SamplerOutput(put("token_ids"), put("logprobs"), put("top_ids"), put("top_logprobs"), put("entropy"),
+                         None, stages)
 
 
 def _race(row: torch.Tensor, generator: torch.Generator | None, cut: bool) -> torch.Tensor:
@@ -467,13 +523,16 @@ def _race(row: torch.Tensor, generator: torch.Generator | None, cut: bool) -> to
     only: the same distribution (a -inf logit never wins) for noise over ~50 tokens instead of 49k (~0.7 ms a row
     on the 2-core target). On a GPU the noise is cheap and nonzero() would wait for the device: the whole row."""
     candidates = finite_ids(row) if cut and row.device.type == "cpu" else None
-    if candidates is not None:
-        row = row[candidates]
-    probs = row.softmax(dim=0)
+    won = _race_among(row if candidates is None else row[candidates], generator)
+    return won if candidates is None else candidates[won]
+
+
+def _race_among(values: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """The index that wins the exponential race over softmax(values) [n], with Exp(1) noise [n] from `generator`."""
+    probs = values.softmax(dim=0)
     device = probs.device if generator is None else generator.device  # a seed gives the same noise on any device
     noise = exponential(probs.shape, generator, device).to(probs.dtype).to(probs.device)
-    won = (probs / noise).argmax()
-    return won if candidates is None else candidates[won]
+    return (probs / noise).argmax()
 
 
 def entropy(logprobs: torch.Tensor) -> torch.Tensor:

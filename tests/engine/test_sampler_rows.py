@@ -152,10 +152,22 @@ def test_a_row_that_anything_can_move_off_its_argmax_is_not_plain(change):
     assert plain_rows(replace(SamplingBatch.of(seqs(params[:2], 0), stop_ids), grammar=object())) == []
 
 
-PLAIN = {"temperature": 0.0, "top_k": -1, "top_p": 1.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
-         "logit_bias": None, "min_tokens": 0, "sampler_stages": 0, "logprobs": None}
+@pytest.mark.parametrize("change", [dict(top_k=-1), dict(top_k=60), dict(temperature=0.0), dict(min_p=0.1),
+                                    dict(repetition_penalty=1.1), dict(presence_penalty=0.5), dict(logit_bias={3: 5.0}),
+                                    dict(sampler_stages=5, logprobs=5), dict(min_tokens=4)])
+def test_a_row_that_anything_but_temperature_top_k_and_top_p_acts_on_is_not_cut(change):
+    params = [SamplingParams(temperature=0.8, top_k=5, max_tokens=8),
+              SamplingParams(temperature=1.0, top_k=59, top_p=0.5, logprobs=5, max_tokens=8),
+              SamplingParams(**{"temperature": 0.7, "top_k": 5, "max_tokens": 8, **change})]
+    assert sampler.cut_rows(SamplingBatch.of(seqs(params, 0), stop_ids), 60) == [0, 1]
+    assert sampler.cut_rows(replace(SamplingBatch.of(seqs(params[:2], 0), stop_ids), grammar=object()), 60) == []
+
+
+PLAIN = {"temperature": 0.0, "top_k": -1, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,
+         "presence_penalty": 0.0, "logit_bias": None, "min_tokens": 0, "sampler_stages": 0, "logprobs": None}
 ROW = st.fixed_dictionaries({
-    "temperature": st.sampled_from([0.0, 0.0, 0.8, 1.0]), "top_k": st.sampled_from([-1, 5]),
+    "temperature": st.sampled_from([0.0, 0.0, 0.8, 1.0]), "top_k": st.sampled_from([-1, 5, 5, 59, 60]),
+    "min_p": st.sampled_from([0.0, 0.0, 0.2]),
     "top_p": st.sampled_from([1.0, 0.9]), "repetition_penalty": st.sampled_from([1.0, 1.0, 1.3]),
     "presence_penalty": st.sampled_from([0.0, 0.0, 0.5]), "logit_bias": st.sampled_from([None, None, {3: 5.0}]),
     "min_tokens": st.sampled_from([0, 0, 5]), "sampler_stages": st.sampled_from([0, 0, 3]),
@@ -169,8 +181,9 @@ ROW = st.fixed_dictionaries({
     {**PLAIN, "top_k": 5, "sampler_stages": 3}, PLAIN, {**PLAIN, "top_p": 0.9},
     {**PLAIN, "temperature": 0.8, "top_k": 5, "top_p": 0.9}])
 def test_a_batch_split_between_the_fast_path_and_the_processors_gives_each_row_its_own(seed, rows, ties):
-    # the split (plain rows in C, the rest through the processors, merged back) against every row through the
-    # processors: the same tokens, log-probs, top-N, entropies and pipelines, bit for bit
+    # the split (plain rows in C, cut rows among their k largest, the rest through the processors, merged back)
+    # against every row through the processors: the same tokens (the same noise drawn), log-probs, top-N,
+    # entropies and pipelines, bit for bit
     params = [SamplingParams(max_tokens=8, **r) for r in rows]
     logits = torch.randn(len(rows), 60, generator=torch.Generator().manual_seed(seed)) * 3
     if ties:
@@ -183,9 +196,9 @@ def test_a_batch_split_between_the_fast_path_and_the_processors_gives_each_row_i
     assert split.stages == full.stages
 
 
-def test_the_engine_gives_the_same_outputs_with_the_greedy_fast_path_or_without(tiny_llama_dir, monkeypatch):
-    # plain greedy rows beside a seeded sampled row and a penalised greedy one: the batch is split between the C
-    # pass and the processors, and every row gets what the processors alone give it
+def test_the_engine_gives_the_same_outputs_with_the_fast_paths_or_without(tiny_llama_dir, monkeypatch):
+    # plain greedy rows beside a seeded top-k / top-p row and a penalised greedy one: the batch is split between
+    # the C pass, the cut rows' race and the processors, and every row gets what the processors alone give it
     llm = LLM(str(tiny_llama_dir), num_kv_blocks=64, block_size=8, num_threads=1)
     prompts = ["Once upon a time", "The capital of France is", "Readability counts.", "def fibonacci(n):"]
     params = [SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=7, max_tokens=12, logprobs=2, ignore_eos=True),
@@ -193,11 +206,13 @@ def test_the_engine_gives_the_same_outputs_with_the_greedy_fast_path_or_without(
               SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=12, ignore_eos=True),
               SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, top_k=5)]
     calls = []
-    fast_path = sampler._sample_greedy
-    monkeypatch.setattr(sampler, "_sample_greedy", lambda *a: calls.append(1) or fast_path(*a))
+    greedy_path, cut_path = sampler._sample_greedy, sampler._sample_cut
+    monkeypatch.setattr(sampler, "_sample_greedy", lambda *a: calls.append("greedy") or greedy_path(*a))
+    monkeypatch.setattr(sampler, "_sample_cut", lambda *a: calls.append("cut") or cut_path(*a))
     fast = [o.outputs[0] for o in llm.generate(prompts, params)]
-    assert calls or not cpu_logits.enabled()
+    assert {"greedy", "cut"} <= set(calls) or not cpu_logits.enabled()
     monkeypatch.setattr(sampler, "plain_rows", lambda b: [])  # every row of every step through the processors
+    monkeypatch.setattr(sampler, "cut_rows", lambda b, vocab: [])
     full = [o.outputs[0] for o in llm.generate(prompts, params)]
     for a, b in zip(fast, full):
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs and a.cumulative_logprob == b.cumulative_logprob
@@ -264,3 +279,21 @@ def test_topk_rows_takes_torch_where_our_kernel_does_not_apply():
     with mock.patch.object(cpu_logits, "enabled", return_value=False):
         assert torch.equal(topk_rows(x, 7)[1], x.topk(7, dim=-1).indices)
     assert torch.equal(topk_rows(x, 513)[0], x.topk(513, dim=-1).values)  # past the kernel's 512
+
+
+@pytest.mark.skipif(not cpu_logits.enabled(), reason=f"no C logit statistics: {cpu_logits.unavailable}")
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 2 ** 16), rows=st.lists(ROW, min_size=2, max_size=6), ties=st.booleans())
+def test_a_row_draws_the_same_token_alone_as_in_any_batch(seed, rows, ties):
+    # each row decides for itself how its top-k and top-p run (a tie across its k-th logit: the two steps), and its
+    # cumulative sum runs over its own k: a batch-mate's ties or wider k cannot move its cut (with logits on a
+    # coarse grid, ties everywhere, they did)
+    params = [SamplingParams(max_tokens=8, **r) for r in rows]
+    logits = torch.randn(len(rows), 60, generator=torch.Generator().manual_seed(seed)) * 3
+    if ties:
+        logits = (logits * 2).round() / 2
+    together = sample(logits.clone(), SamplingBatch.of(seqs(params, seed), stop_ids))
+    for i in range(len(rows)):
+        alone = sample(logits[i:i + 1].clone(), SamplingBatch.of(seqs(params, seed)[i:i + 1], stop_ids))
+        assert int(alone.token_ids[0]) == int(together.token_ids[i]), i
+        assert torch.equal(alone.logprobs[0], together.logprobs[i])
