@@ -200,15 +200,6 @@ def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None:
-    """apply_top_k then apply_top_p (a row with top_p >= 1 skips it) for rows that all have a top-k (top_k [S] > 0),
-    through top_k_top_p_kept; None when a row ties across its k-th largest logit."""
-    ids, _, kept, tied = top_k_top_p_kept(logits, top_k, top_p)
-    if bool(tied.any()):
-        return None
-    return torch.full_like(logits, float("-inf")).scatter_(1, ids, kept)
-
-
 def top_k_top_p_kept(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Top-k, then top-p (a row with top_p >= 1 skips it), for CPU rows that all have a top-k (top_k [S] > 0): the
@@ -421,10 +412,7 @@ def _sample_full(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
             tokens[r] = _race(processed[r], b.generators[r], cut[r])
     stages = tracer.summarize(tokens) if tracer is not None else None
     if stats is not None:  # logits is unchanged: process_logits wrote to a clone, or to new tensors
-        lse, ent, top_ids, top_lp = stats
-        chosen = logits.gather(1, tokens[:, None]).squeeze(1) - lse
-        return SamplerOutput(tokens, chosen, top_ids if b.num_logprobs > 0 else None,
-                             top_lp if b.num_logprobs > 0 else None, ent if b.entropy else None, stages=stages)
+        return _from_stats(logits, tokens, stats, b, stages)
     chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
     top_ids = top_lp = None
     if b.num_logprobs > 0:
@@ -487,11 +475,17 @@ def _sample_cut(logits: torch.Tensor, b: SamplingBatch, rows: list[int]) -> Samp
         candidates, values = ids[i][finite], kept[i][finite]
         order = candidates.argsort()
         tokens.append(int(candidates[order][_race_among(values[order], b.generators[r])]))
-    lse, ent, top_ids, top_lp = cpu_logits.logit_stats(x, b.num_logprobs)
-    token_ids = torch.tensor(tokens, dtype=torch.int64)
+    return _from_stats(x, torch.tensor(tokens, dtype=torch.int64), cpu_logits.logit_stats(x, b.num_logprobs), b)
+
+
+def _from_stats(logits: torch.Tensor, tokens: torch.Tensor, stats: tuple, b: SamplingBatch,
+                stages: list | None = None) -> SamplerOutput:
+    """The output of rows whose raw logits' statistics (cpu_logits.logit_stats: lse, entropy, top-N) were taken:
+    each token's log-prob is its raw logit less the row's log-sum-exp."""
+    lse, ent, top_ids, top_lp = stats
     top = b.num_logprobs > 0
-    return SamplerOutput(token_ids, x.gather(1, token_ids[:, None]).squeeze(1) - lse, top_ids if top else None,
-                         top_lp if top else None, ent if b.entropy else None)
+    return SamplerOutput(tokens, logits.gather(1, tokens[:, None]).squeeze(1) - lse, top_ids if top else None,
+                         top_lp if top else None, ent if b.entropy else None, stages=stages)
 
 
 def _merge(n: int, parts: list[tuple[list[int], SamplerOutput]]) -> SamplerOutput:

@@ -17,7 +17,6 @@ from engine_service import LLM, SamplingParams
 from engine_service.engine import sampler
 from engine_service.engine.sampler import (
     SamplingBatch,
-    apply_top_k_top_p,
     apply_top_p,
     apply_top_p_partial,
     argmax_rows,
@@ -25,6 +24,7 @@ from engine_service.engine.sampler import (
     plain_rows,
     process_logits,
     sample,
+    top_k_top_p_kept,
     topk_rows,
 )
 from kernels import cpu_logits
@@ -65,7 +65,7 @@ def test_top_k_then_top_p_keep_the_tokens_hf_keeps(seed, vocab, rows):
 
 def test_the_partial_cut_hands_ties_at_the_kth_logit_back():
     logits = torch.tensor([[3.0, 2.0, 2.0, 2.0, 1.0, 0.0]])  # top-2 keeps the three 2.0s as well
-    assert apply_top_k_top_p(logits, torch.tensor([2]), torch.tensor([0.9])) is None
+    assert top_k_top_p_kept(logits, torch.tensor([2]), torch.tensor([0.9]))[3].tolist() == [True]  # tied
     ours = process_logits(logits.clone(), batch([dict(top_k=2, top_p=0.9)]))
     assert torch.equal(ours[0].isfinite(), hf(logits[0], dict(top_k=2, top_p=0.9)).isfinite())
 
