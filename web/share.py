@@ -154,6 +154,10 @@ class SavedTree(_Saved):
             raise ShareError(f"trees.{mode}: branches must be numbered 0, 1, ... in order")
         if not 0 <= self.active < len(self.branches):
             raise ShareError(f"trees.{mode}.active: no branch {self.active}")
+        for b in self.branches:  # a child carries its parent's tokens up to the fork and the picked one (branches.py)
+            if b.parent is not None and len(b.inherited) != b.fork_at + 1:
+                raise ShareError(f"trees.{mode}.branches[{b.id}]: a branch forked at {b.fork_at} inherits "
+                                 f"{b.fork_at + 1} tokens, not {len(b.inherited)}")
         branches = [Branch(b.id, b.column.column(), b.parent, b.fork_at, [t.token() for t in b.inherited], b.depth)
                     for b in self.branches]
         return BranchTree(mode, branches, self.active)
