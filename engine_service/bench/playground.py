@@ -46,6 +46,7 @@ FINAL = ("done", "error", "cancelled", "invalid")
 WATCH_JS = """([modes, final]) => {
   const t = {t0: performance.now(), started: {}, first: {}, done: {}, tokens: {}, status: {}};
   window.__dl = t;
+  if (window.__dlWatch) window.__dlWatch.disconnect();  // the last run's: one observer a page, not one a run
   const look = () => {
     for (const m of modes) {
       const col = document.querySelector('#out-' + m + ' .dl-col');
@@ -62,8 +63,8 @@ WATCH_JS = """([modes, final]) => {
       }
     }
   };
-  new MutationObserver(look).observe(document.body, {subtree: true, childList: true, attributes: true,
-                                                     characterData: true});
+  window.__dlWatch = new MutationObserver(look);
+  window.__dlWatch.observe(document.body, {subtree: true, childList: true, attributes: true, characterData: true});
 }"""
 
 

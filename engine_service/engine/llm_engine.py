@@ -17,7 +17,7 @@ from engine_service.engine.outputs import RequestOutput, request_output
 from engine_service.engine.prompt_logprobs import positions_to_score, score_prompt
 from engine_service.engine.proposers import DraftModel
 from engine_service.engine.roofline import CostModel, StepRecord, StepShape
-from engine_service.engine.sampler import SamplingBatch, entropy, process_logits, sample, topk_rows
+from engine_service.engine.sampler import SamplingBatch, entropy, entropy_topk_rows, process_logits, sample
 from engine_service.engine.sampling_params import SamplingParams
 from engine_service.engine.scheduler import Scheduler
 from engine_service.engine.sequence import Request, Sequence, SpecStats
@@ -197,11 +197,11 @@ class LLMEngine:
             self.block_manager.truncate(seq, seq.num_tokens + len(v.tokens) - 1)  # KV of the accepted drafts stays
             p = seq.request.params
             tops, ents = [None] * len(v.tokens), [None] * len(v.tokens)
-            if p.logprobs is not None:  # one pass for the step's rows
+            if p.logprobs:  # one pass for the step's rows: their entropies and top log-probs
+                ent, values, ids = entropy_topk_rows(v.logprobs, p.logprobs)
+                ents, tops = ent.tolist(), [dict(zip(i, x)) for i, x in zip(ids.tolist(), values.tolist())]
+            elif p.logprobs is not None:
                 ents = entropy(v.logprobs).tolist()
-            if p.logprobs:
-                values, ids = topk_rows(v.logprobs, p.logprobs)
-                tops = [dict(zip(i, x)) for i, x in zip(ids.tolist(), values.tolist())]
             chosen = v.logprobs.gather(1, torch.tensor(v.tokens)[:, None].to(v.logprobs.device))[:, 0].tolist()
             for token, mark, lp, check, masked, top, ent in zip(v.tokens, v.marks, chosen, v.checks, v.masked, tops,
                                                                 ents):

@@ -186,6 +186,15 @@ def topk_rows(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x.topk(n, dim=-1)
 
 
+def entropy_topk_rows(logprobs: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(entropy(logprobs), *topk_rows(logprobs, n)) of log-prob rows [S, V], n >= 1: one C pass where our kernel
+    applies, whose entropy does not depend on n (the same bits as entropy()'s) and whose top-n is topk_rows'."""
+    if n <= 512 and cpu_logits.applies(logprobs):
+        _, ent, ids, _ = cpu_logits.logit_stats(logprobs, n)
+        return ent, logprobs.gather(1, ids), ids
+    return entropy(logprobs), *topk_rows(logprobs, n)
+
+
 def finite_ids(row: torch.Tensor) -> torch.Tensor:
     """The ids of a 1-D row's finite entries, ascending (NumPy on the CPU: ~60 us a 49k row against ~270)."""
     if row.device.type == "cpu":

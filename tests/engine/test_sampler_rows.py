@@ -20,6 +20,8 @@ from engine_service.engine.sampler import (
     apply_top_p,
     apply_top_p_partial,
     argmax_rows,
+    entropy,
+    entropy_topk_rows,
     finite_ids,
     plain_rows,
     process_logits,
@@ -279,6 +281,24 @@ def test_topk_rows_takes_torch_where_our_kernel_does_not_apply():
     with mock.patch.object(cpu_logits, "enabled", return_value=False):
         assert torch.equal(topk_rows(x, 7)[1], x.topk(7, dim=-1).indices)
     assert torch.equal(topk_rows(x, 513)[0], x.topk(513, dim=-1).values)  # past the kernel's 512
+
+
+@pytest.mark.parametrize("c_kernel", [True, False])
+@pytest.mark.parametrize("n", [1, 5, 40])
+def test_entropy_and_top_n_in_one_pass_are_the_two_passes_bits(c_kernel, n):
+    # the beam step and speculative verification take both from one C pass; log-prob rows with -inf entries (a
+    # grammar's) and ties
+    g = torch.Generator().manual_seed(n)
+    logits = (torch.randn(5, 3000, generator=g) * 3).round()
+    logits[torch.rand(5, 3000, generator=g) < 0.3] = float("-inf")
+    rows = logits.log_softmax(dim=-1)
+    if c_kernel and not cpu_logits.enabled():
+        pytest.skip(f"no C logit statistics: {cpu_logits.unavailable}")
+    with mock.patch.object(cpu_logits, "enabled", return_value=c_kernel and cpu_logits.enabled()):
+        ent, values, ids = entropy_topk_rows(rows, n)
+        want_values, want_ids = topk_rows(rows, n)
+        assert torch.equal(ent, entropy(rows))
+    assert torch.equal(values, want_values) and torch.equal(ids, want_ids)
 
 
 @pytest.mark.skipif(not cpu_logits.enabled(), reason=f"no C logit statistics: {cpu_logits.unavailable}")
