@@ -43,6 +43,9 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--proposer", default="ngram", choices=["ngram", "draft"],
                    help="--mode speculative: n-gram prompt lookup or the engine's --draft-model")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--speculative-schedule", default="constant", choices=["constant", "heuristic"],
+                   help="heuristic: the draft length grows by 2 (up to k) after a step that kept every draft, "
+                        "else shrinks by 1 (Hugging Face assisted generation's schedule)")
     p.add_argument("--ngram-min", type=int, default=1)
     p.add_argument("--ngram-max", type=int, default=3)
 
@@ -61,7 +64,8 @@ def sampling_params_from_args(args):
                           stop=args.stop, ignore_eos=args.ignore_eos, max_tokens=args.max_tokens,
                           logprobs=args.logprobs, beam_width=beam_width, length_penalty=args.length_penalty,
                           early_stopping=early_stopping, proposer=args.proposer,
-                          num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min,
+                          num_speculative_tokens=args.num_speculative_tokens,
+                          speculative_schedule=args.speculative_schedule, ngram_min=args.ngram_min,
                           ngram_max=args.ngram_max)
 
 

@@ -65,6 +65,7 @@ class SamplingExtras(_Model):
     early_stopping: bool | Literal["never"] = False
     proposer: Literal["draft", "ngram"] = "ngram"
     num_speculative_tokens: int = Field(4, ge=1, le=16)
+    speculative_schedule: Literal["constant", "heuristic"] = "constant"  # SamplingParams.speculative_schedule
     ngram_min: int = Field(1, ge=1, le=16)
     ngram_max: int = Field(3, ge=1, le=16)
     prompt_logprobs: int | None = Field(None, ge=0, le=20)  # DoneEvent.prompt_logprobs (the OpenAI API's echo)

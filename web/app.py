@@ -164,6 +164,9 @@ def build_app(service: Service) -> gr.Blocks:
                                     info="n-gram: copy from the context; draft: a small model", elem_id="proposer")
                 spec_k = gr.Slider(1, 8, value=DEFAULTS.spec_k, step=1, label="k (tokens drafted per step)",
                                    elem_id="spec-k")
+                spec_adaptive = gr.Checkbox(DEFAULTS.spec_adaptive, label="Adaptive k", elem_id="spec-adaptive",
+                                            info="Hugging Face's schedule: 2 more drafts after a step that kept "
+                                                 "all, 1 fewer after a rejection (1 to k)")
                 # enabled on load when a replica has a draft model (handlers.compare_control)
                 compare = gr.Checkbox(DEFAULTS.compare_proposers, label="Compare proposers", interactive=False,
                                       elem_id="compare-proposers", info="needs a replica with a draft model")
@@ -191,7 +194,7 @@ def build_app(service: Service) -> gr.Blocks:
 
         inputs = [prompt, chat, system, max_tokens, model, share, beam_width, length_penalty, beams_shown,
                   temperature, top_k, top_p, min_p, seed, n, proposer, spec_k, constraint_type, constraint, compare,
-                  pipeline]
+                  pipeline, spec_adaptive]
         # always_last: a Run clicked while the last run still draws its summary (after every column is final)
         # runs next; Gradio's default ("once") would drop that click silently
         run_event = run_btn.click(h.run, inputs, [message, *outs, kv, steps, trace, chart, run_json], api_name="run",

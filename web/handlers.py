@@ -84,13 +84,15 @@ class Handlers:
 
     async def run(self, prompt, chat, system_prompt, max_tokens, model, share, beam_width, length_penalty,
                   beams_shown, temperature, top_k, top_p, min_p, seed, n, proposer, spec_k,
-                  constraint_type, constraint, compare=False, pipeline=False, request: gr.Request = None):
+                  constraint_type, constraint, compare=False, pipeline=False, spec_adaptive=True,
+                  request: gr.Request = None):
         settings = Settings(prompt=prompt or "", chat=bool(chat), system_prompt=system_prompt or "",
                             max_tokens=max_tokens, model=model or None, beam_width=beam_width,
                             length_penalty=length_penalty, beams_shown=beams_shown, temperature=temperature,
                             top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, n=n, proposer=proposer, spec_k=spec_k,
                             constraint_type=constraint_type or "none", constraint=constraint or "",
-                            compare_proposers=bool(compare), pipeline=bool(pipeline))
+                            compare_proposers=bool(compare), pipeline=bool(pipeline),
+                            spec_adaptive=bool(spec_adaptive))
         skip = gr.skip()
         if (error := check_prompt(settings)) is not None:
             yield message_html(error), *[skip] * 4, skip, skip, skip, skip, {"error": error}

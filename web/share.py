@@ -228,6 +228,8 @@ def loads(text: str | bytes) -> SavedRun:
         raise ShareError("run file: not a DecodeLab run (no \"kind\": \"decodelab-run\")")
     if data.get("v") != VERSION:
         raise ShareError(f"run file: version {data.get('v')!r}, this playground reads version {VERSION}")
+    if isinstance(data.get("settings"), dict):  # saved before "Adaptive k": its speculative column ran k a step
+        data["settings"].setdefault("spec_adaptive", False)
     try:
         return SavedRun.model_validate(data)
     except ValidationError as e:

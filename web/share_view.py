@@ -42,10 +42,10 @@ def settings_values(s: Settings, share_prompt: bool, live: dict[str, dict]) -> l
     return [s.prompt, s.chat, s.system_prompt, s.max_tokens, s.model or gr.skip(), share_prompt, s.beam_width,
             s.length_penalty,
             s.beams_shown, s.temperature, s.top_k, s.top_p, s.min_p, s.seed, s.n, proposer, s.spec_k,
-            s.constraint_type, s.constraint, s.compare_proposers and has_draft, s.pipeline]
+            s.constraint_type, s.constraint, s.compare_proposers and has_draft, s.pipeline, s.spec_adaptive]
 
 
-CONTROLS = 21  # app.py's `inputs`: what settings_values fills
+CONTROLS = 22  # app.py's `inputs`: what settings_values fills
 
 
 def cleared() -> tuple:

@@ -76,6 +76,9 @@ class SamplingParams:
     early_stopping: bool | str = False
     proposer: str = "ngram"  # speculative: "ngram" (prompt lookup) or "draft" (the engine's draft_model)
     num_speculative_tokens: int = 4
+    # "constant": k drafts a step; "heuristic": HF assisted generation's schedule (num_assistant_tokens_schedule):
+    # a sequence's draft length grows by 2 (up to k) when a step kept all its drafts, else shrinks by 1 (down to 1)
+    speculative_schedule: str = "constant"
     ngram_min: int = 1  # n-gram proposer: shortest / longest suffix looked up in the context
     ngram_max: int = 3
     # grammar-constrained decoding (a dict is taken as StructuredOutputsParams' fields), in every mode
@@ -154,6 +157,8 @@ class SamplingParams:
             bad("early_stopping", f"must be True, False or 'never', got {self.early_stopping!r}")
         if self.proposer not in ("draft", "ngram"):
             bad("proposer", f"must be 'draft' or 'ngram', got {self.proposer!r}")
+        if self.speculative_schedule not in ("constant", "heuristic"):
+            bad("speculative_schedule", f"must be 'constant' or 'heuristic', got {self.speculative_schedule!r}")
         if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
             bad("num_speculative_tokens", f"must be in [1, 16], got {self.num_speculative_tokens!r}")
         if not isinstance(self.ngram_min, int) or not isinstance(self.ngram_max, int) \

@@ -42,6 +42,7 @@ class Sequence:
     read_offset: int = 0
     # speculative decoding: the last num_draft_tokens of token_ids are proposals awaiting verification
     num_draft_tokens: int = 0
+    spec_k: int | None = None  # the drafts its next step may propose under a "heuristic" schedule (None: k)
     spec_seed: int = 0  # keys the sampling noise of each position (spec_decode); the request's seed if set
     # [num_draft_tokens, vocab] the draft model's q_t per pending draft (None: n-gram, a point mass); verification
     # needs none (coupled), the draft checks do (spec_decode.draft_checks)

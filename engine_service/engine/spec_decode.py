@@ -66,6 +66,13 @@ def target_noise(seq: Sequence, first: int, rows: torch.Tensor) -> torch.Tensor 
     return torch.stack([position_noise(seq.spec_seed, first + i, vocab) for i in range(num)]).to(rows.device)
 
 
+def next_draft_length(current: int, k: int, proposed: int, kept: int) -> int:
+    """The "heuristic" schedule (HF assisted generation's num_assistant_tokens_schedule): a step that kept every
+    draft it proposed lets the next propose 2 more, up to k; a rejection, 1 fewer, down to 1. Drafts a prompt
+    lookup rarely gets right then cost one verification row a step instead of k (docs/decoding.md)."""
+    return min(k, current + 2) if kept == proposed else max(1, current - 1)
+
+
 RESIDUAL_TOP = 5  # residual tokens a check reports
 
 
@@ -131,7 +138,7 @@ class SpecDecoder:
                 continue
             assert seq.num_draft_tokens == 0
             # never past max_tokens: the step adds the accepted drafts plus one target token
-            k = min(p.num_speculative_tokens, p.max_tokens - seq.num_output_tokens - 1,
+            k = min(seq.spec_k or p.num_speculative_tokens, p.max_tokens - seq.num_output_tokens - 1,
                     max_model_len - seq.num_tokens)
             if k <= 0:
                 continue
@@ -190,6 +197,9 @@ class SpecDecoder:
             if k:
                 seq.request.spec.add(k, len(tokens) - 1)
                 self.totals.add(k, len(tokens) - 1)
+                if seq.request.params.speculative_schedule == "heuristic":
+                    seq.spec_k = next_draft_length(seq.spec_k or seq.request.params.num_speculative_tokens,
+                                                   seq.request.params.num_speculative_tokens, k, len(tokens) - 1)
             # seq.draft_probs stays: a failed batch is re-run (isolation.py); the engine drops it after
             del seq.token_ids[base:]
             seq.num_draft_tokens = 0

@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine_service import LLM, SamplingParams
 from engine_service.engine.proposers import ngram_propose
+from engine_service.engine.spec_decode import next_draft_length
 from tests.hf_oracle import assert_greedy_matches, hf_greedy
 from tests.tiny_models import save_tiny_model
 
@@ -107,6 +108,45 @@ def test_marks_and_metrics_account_for_every_token(pair):
     assert marks.count("resampled") + marks.count("bonus") == m["steps"]  # one target token per verification
     assert m["acceptance_rate"] == pytest.approx(m["accepted"] / m["proposed"])
     assert m["mean_accepted_length"] == pytest.approx(m["accepted"] / m["steps"])
+
+
+def test_next_draft_length_is_hf_assisted_generations_heuristic():
+    # two more after a step that kept every draft (up to k), one fewer after a rejection (down to 1)
+    assert [next_draft_length(c, 5, p, a) for c, p, a in [(5, 5, 5), (4, 4, 4), (3, 3, 3), (5, 5, 2), (1, 1, 0),
+                                                          (2, 1, 1)]] == [5, 5, 5, 4, 1, 4]
+
+
+@pytest.mark.parametrize("schedule", ["constant", "heuristic"])
+def test_each_step_drafts_as_its_schedule_says_and_keeps_the_greedy_tokens(pair, monkeypatch, schedule):
+    engine, steps = pair.engine, {}  # per request, per verification: (drafts proposed, drafts kept, max_tokens cap)
+    real = engine.spec.verify_batch
+
+    def spy(items):
+        before = {id(s): (s.request.request_id, s.num_draft_tokens,
+                          s.request.params.max_tokens - (s.num_output_tokens - s.num_draft_tokens) - 1)
+                  for s, _ in items}
+        out = real(items)
+        for v in out:
+            rid, proposed, cap = before[id(v.seq)]
+            if proposed:
+                steps.setdefault(rid, []).append((proposed, len(v.tokens) - 1, cap))
+        return out
+
+    monkeypatch.setattr(engine.spec, "verify_batch", spy)
+    prompts = random_prompts(3, seed=5)
+    outs = outputs(pair, prompts, spec("draft", k=5, max_tokens=40, speculative_schedule=schedule))
+    greedy = outputs(pair, prompts, SamplingParams(temperature=0, ignore_eos=True, max_tokens=40))
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in greedy]
+    assert len(steps) == 3
+    for seq_steps in steps.values():  # the draft model always proposes its full length: the schedule's, capped
+        length = 5
+        for proposed, kept, cap in seq_steps:
+            assert proposed == min(length, cap)
+            if schedule == "heuristic":
+                length = next_draft_length(length, 5, proposed, kept)
+    flat = [step for seq_steps in steps.values() for step in seq_steps]
+    assert any(kept == proposed for proposed, kept, _ in flat) and any(kept < proposed for proposed, kept, _ in flat)
+    assert sum(p for p, _, _ in flat) == sum(o.metrics.spec["proposed"] for o in outs)
 
 
 def test_a_tight_token_budget_trims_drafts_and_keeps_the_tokens(tiny_llama_dir, tiny_draft_dir):

@@ -110,6 +110,17 @@ def test_out_of_range_penalties_and_biases_are_400s(oai):
             client.completions.create(model="tiny", prompt="x", max_tokens=2, **kw)
 
 
+def test_an_adaptive_speculative_schedule_gives_the_greedy_text_and_a_bad_one_is_a_400(oai, reference_engine):
+    _, client = oai
+    prompt = "one two three one two three one two three one"  # repeats: the n-gram lookup proposes
+    want = reference_engine.generate([prompt], SamplingParams(max_tokens=16, **GREEDY))[0].outputs[0]
+    got = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0, extra_body={
+        "ignore_eos": True, "mode": "speculative", "proposer": "ngram", "speculative_schedule": "heuristic"})
+    assert got.choices[0].text == want.text
+    with pytest.raises(openai.BadRequestError, match="speculative_schedule"):
+        client.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"speculative_schedule": "fast"})
+
+
 # ---- batched prompts
 
 def test_a_batch_of_prompts_numbers_choices_prompt_index_times_n_plus_j(oai):

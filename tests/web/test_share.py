@@ -37,7 +37,7 @@ from tests.web.test_browser import MODES, open_playground, set_number, wait_colu
 from tests.web.test_browser import pytestmark as needs_chromium
 from web import share
 from web.columns import Token
-from web.modes import Settings
+from web.modes import Settings, build_request
 from web.session import Run, Service
 from web.spec_curve import expected_tokens, spec_curve_html
 
@@ -106,6 +106,15 @@ def test_a_saved_run_comes_back_equal_from_its_file_and_its_redis_value():
         assert lp.logprob == -0.2 / 3 and lp.draft.accepted and lp.top[1] == (9, "x", -2.5)
         assert again.trees["greedy"].current.label == "@1 ‘y’" and len(again.columns["beam"].beam_tree) == 1
         assert again.columns["sample"].outputs[0].tokens[2].stages[1].kept == 2  # the pipeline travels too
+
+
+def test_a_run_saved_before_adaptive_k_reruns_with_k_drafts_a_step():
+    doc = json.loads(share.dumps(share.saved_run(_run())))
+    assert doc["settings"]["spec_adaptive"] is True  # the control's default, saved
+    del doc["settings"]["spec_adaptive"]  # as files saved before the control were
+    back = share.loads(json.dumps(doc))
+    assert back.settings.spec_adaptive is False
+    assert build_request("speculative", back.settings).params.speculative_schedule == "constant"
 
 
 @pytest.mark.parametrize("text, why", [
@@ -348,4 +357,5 @@ def test_a_shared_run_reopens_token_for_token_after_a_restart_and_as_a_file(shar
 def test_a_rerun_fills_every_control_of_the_page():
     from web.share_view import CONTROLS, settings_values
     assert len(settings_values(Settings(prompt="x", pipeline=True), True, {})) == CONTROLS
-    assert settings_values(Settings(prompt="x", pipeline=True), True, {})[-1] is True  # the pipeline box too
+    values = settings_values(Settings(prompt="x", pipeline=True, spec_adaptive=False), True, {})
+    assert values[-2:] == [True, False]  # the pipeline box and adaptive k too
