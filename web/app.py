@@ -12,8 +12,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from pathlib import Path  # noqa: E402
 
 import gradio as gr  # noqa: E402
+from starlette.middleware import Middleware  # noqa: E402
 
 from web import handlers, share, share_view  # noqa: E402
+from web.head_first import HeadFirst  # noqa: E402
 from web.modes import CONSTRAINTS, MAX_TOKENS_LIMIT, MODES, Settings  # noqa: E402
 from web.roofline import roofline_html  # noqa: E402
 from web.session import Service  # noqa: E402
@@ -23,6 +25,7 @@ CSS_PATH = Path(__file__).with_name("style.css")
 JS_PATH = Path(__file__).with_name("branching.js")  # click a token: its alternatives, pick one to branch
 TIPS_PATH = Path(__file__).with_name("tips.js")  # hover a token: its card, drawn from its data-* facts on demand
 PIPELINE_PATH = Path(__file__).with_name("pipeline.js")  # click a traced token: its sampler pipeline and a what-if
+FRAMES_PATH = Path(__file__).with_name("frames.js")  # first in <head>: Gradio's status-tracker timers off the frames
 # the streamed outputs draw themselves, only what changed (Gradio 6 redraws an HTML value whole on every frame)
 DRAW_JS = Path(__file__).with_name("draw.js").read_text()
 # the shading is the stylesheet's choice (style.css): no round trip, no re-render
@@ -250,7 +253,9 @@ def launch(demo: gr.Blocks, host: str, port: int, **kw):
     # run_history off: Gradio 6 kept each run's outputs (every frame's column HTML) in the browser's localStorage
     # and re-parsed the whole history every 500 ms of a stream: Chromium's CPU a run doubled against the engine's
     # over 25 runs on one page, and TPOT rose to ~100 ms by runs 22-29 of 30 (docs/benchmarks.md). Share keeps runs.
+    head_first = Middleware(HeadFirst, script=FRAMES_PATH.read_text())
     return demo.launch(server_name=host, server_port=port, theme=theme(), css_paths=[CSS_PATH], ssr_mode=False,
-                       js=page_js(), show_error=True, quiet=kw.pop("quiet", False), run_history=False,
+                       app_kwargs={"middleware": [head_first]}, js=page_js(), show_error=True,
+                       quiet=kw.pop("quiet", False), run_history=False,
                        max_file_size=2 * share.MAX_FILE_BYTES, **kw)
 

@@ -134,3 +134,42 @@ def test_engine_or_redis_down_is_visible_within_seconds(request, page, which, pi
     page.locator("#run").click()
     expect(page.locator("#dl-message .dl-msg.error")).to_contain_text(message, timeout=5_000)
     assert page.errors == []
+
+
+# an init script runs before the page's own: it sees the frame requests web/frames.js lets through, and which
+# module asked (Gradio's status trackers are in its statustracker chunk)
+COUNT_FRAMES_JS = """(() => {
+  const frame = window.requestAnimationFrame.bind(window);
+  window.__frames = {trackers: 0, others: 0};
+  window.requestAnimationFrame = (callback) => {
+    window.__frames[(new Error().stack || "").includes("/statustracker-") ? "trackers" : "others"]++;
+    return frame(callback);
+  };
+})();"""
+
+
+def test_gradios_status_trackers_ask_for_no_frames_on_an_idle_page(tiny_stack, page):
+    """Gradio's status trackers time an event in a requestAnimationFrame loop, and the page's "Loading..." one
+    is unmounted mid-loop at every load: 60 frames a second while the page sits idle (~120 in the two seconds
+    below without web/frames.js, which web/head_first.py puts first in the page). The page still runs, and
+    Gradio's other loops still get their frames."""
+    web, _, _ = tiny_stack
+    page.add_init_script(COUNT_FRAMES_JS)
+    open_playground(page, web.url, "The capital of France is")
+    assert page.evaluate("document.head.firstElementChild.textContent").lstrip().startswith("// The first script")
+    set_number(page, "max-tokens", 4)
+    page.locator("#run").click()
+    assert set(wait_columns_final(page, 60_000).values()) == {"done"}
+    page.wait_for_timeout(1_000)
+    page.evaluate("window.__frames = {trackers: 0, others: 0}")
+    page.wait_for_timeout(2_000)
+    assert page.evaluate("window.__frames.trackers") == 0
+    assert page.errors == []
+
+
+def test_the_head_script_goes_first_in_html_pages_only():
+    from web.head_first import with_script
+
+    assert with_script(b"<html><head><title>x</title>", b"<script>s</script>") == (
+        b"<html><head><script>s</script><title>x</title>")
+    assert with_script(b"<p>no head</p>", b"<s>") == b"<s><p>no head</p>"
