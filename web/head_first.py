@@ -2,7 +2,7 @@
 
 Gradio adds `launch(head=...)` from its config once its modules have loaded, too late for web/frames.js, which has
 to wrap requestAnimationFrame before Gradio's status trackers capture it. This ASGI middleware rewrites the HTML
-pages the app serves (GET, text/html); everything else passes untouched.
+pages the app serves (GET, text/html; a HEAD's length says what GET's will be); everything else passes untouched.
 """
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ class HeadFirst:
         self.tag = f"<script>{script}</script>".encode()
 
     async def __call__(self, scope: Scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["method"] != "GET":
+        if scope["type"] != "http" or scope["method"] not in ("GET", "HEAD"):
             return await self.app(scope, receive, send)
+        head = scope["method"] == "HEAD"
         start: Message | None = None
         body = bytearray()
 
@@ -29,8 +30,12 @@ class HeadFirst:
             nonlocal start
             if message["type"] == "http.response.start":
                 headers = dict(message.get("headers", []))
-                if headers.get(b"content-type", b"").startswith(b"text/html") \
-                        and b"content-encoding" not in headers:
+                html = headers.get(b"content-type", b"").startswith(b"text/html") and b"content-encoding" not in headers
+                if html and head and b"content-length" in headers:  # the length GET's page will have
+                    length = str(int(headers[b"content-length"]) + len(self.tag)).encode()
+                    message = {**message, "headers": [(k, length if k == b"content-length" else v)
+                                                      for k, v in message["headers"]]}
+                elif html and not head:
                     start = message  # held until the whole page is here
                     return
                 return await send(message)

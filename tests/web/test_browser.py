@@ -166,10 +166,3 @@ def test_gradios_status_trackers_ask_for_no_frames_on_an_idle_page(tiny_stack, p
     assert page.evaluate("window.__frames.trackers") == 0
     assert page.errors == []
 
-
-def test_the_head_script_goes_first_in_html_pages_only():
-    from web.head_first import with_script
-
-    assert with_script(b"<html><head><title>x</title>", b"<script>s</script>") == (
-        b"<html><head><script>s</script><title>x</title>")
-    assert with_script(b"<p>no head</p>", b"<s>") == b"<s><p>no head</p>"
