@@ -208,7 +208,8 @@ class Column:
     def by_position(self, k: int) -> tuple[list[int], list[int], bool] | None:
         """Per draft position (0 first): (proposed, accepted, exact?). The replica's counters when it sends them;
         while streaming, counted from the tokens' draft checks: the accepted exactly, the proposed as one per
-        verification round at every position below k (a round drafts k, fewer only near max_tokens)."""
+        verification round at every position below k (a round drafts k, fewer near max_tokens or with an adaptive k:
+        an estimate until the replica's counters come)."""
         spec = getattr(self.done.metrics, "spec", None) if self.done is not None else None
         if isinstance(spec, dict) and isinstance(spec.get("proposed_by_position"), list):
             return list(spec["proposed_by_position"]), list(spec.get("accepted_by_position") or []), True

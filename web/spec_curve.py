@@ -6,7 +6,8 @@ the target always adds. The curve is flat near 1 for low acceptance and climbs t
 which is why a proposer that rarely guesses right (n-gram on fresh prose) buys nothing, and one that copies text
 the model is repeating buys several tokens per forward. The dot is the run's acceptance on the run's k curve; the
 ring is what the run measured (tokens per target forward), which falls below the dot when acceptance is not
-independent from draft to draft (a wrong draft ends the step) or the last steps draft fewer than k.
+independent from draft to draft (a wrong draft ends the step) or steps draft fewer than k (the last ones, or all
+after rejections with "Adaptive k", SamplingParams.speculative_schedule).
 """
 from __future__ import annotations
 
