@@ -167,7 +167,7 @@ class Column:
         if self.done is not None:
             return self.done.metrics.tpot_s
         n = self.num_tokens
-        if n > 1 and self.first_token_at is not None:
+        if n > 1 and self.first_token_at is not None and self.last_token_at is not None:  # (an edited run file)
             return (self.last_token_at - self.first_token_at) / (n - 1)
         return None
 

@@ -121,6 +121,7 @@ class SavedColumn(_Saved):
                    beam_steps=c.beam_tree.steps)
 
     def column(self) -> Column:
+        self._check_beam_nodes()
         outputs = {o.index: Output(o.index, [t.token() for t in o.tokens], list(o.token_ids), o.text,
                                    o.finish_reason, o.cumulative_logprob, o.score) for o in self.outputs}
         tree = BeamTree({n.id: Node(**n.model_dump()) for n in self.beam_nodes} or {0: Node(0)}, self.beam_steps)
@@ -128,6 +129,22 @@ class SavedColumn(_Saved):
                       submitted_at=self.submitted_at, first_token_at=self.first_token_at,
                       last_token_at=self.last_token_at, done=self.done, attempt=self.attempt,
                       restarts=self.restarts, beam_tree=tree)
+
+
+    def _check_beam_nodes(self) -> None:
+        """A tree the page can draw: the root 0, and every other node under an earlier step's node (a parent
+        missing or a loop of parents made the drawing raise or never end; hypothesis found the first, session 43)."""
+        nodes = {n.id: n for n in self.beam_nodes}
+        if len(nodes) != len(self.beam_nodes):
+            raise ShareError("beam_nodes: a node id repeats")
+        if nodes and (0 not in nodes or nodes[0].parent is not None):
+            raise ShareError("beam_nodes: no root node 0")
+        for n in self.beam_nodes:
+            parent = nodes.get(n.parent) if n.parent is not None else None
+            if n.id and (parent is None or parent.step >= n.step):
+                raise ShareError(f"beam_nodes: node {n.id}'s parent {n.parent} is not a node of an earlier step")
+            if any(c not in nodes for c in n.children):
+                raise ShareError(f"beam_nodes: node {n.id} has a child that is not a node")
 
 
 class SavedBranch(_Saved):

@@ -223,6 +223,31 @@ def test_a_branch_without_the_tokens_it_forked_from_is_refused():
         _open(json.dumps(doc))
 
 
+@pytest.mark.parametrize("edit, why", [
+    (lambda nodes: nodes[1].update(parent=-1), "parent -1 is not a node"),  # hypothesis found it in CI (KeyError)
+    (lambda nodes: nodes[0].update(parent=nodes[1]["id"]), "no root"),
+    (lambda nodes: nodes[1].update(step=nodes[0]["step"]), "not a node of an earlier step"),  # (rules out loops)
+    (lambda nodes: nodes[1].update(children=[10 ** 6]), "child that is not a node"),
+])
+def test_a_beam_tree_the_page_cannot_draw_is_refused(edit, why):
+    doc = json.loads(share.dumps(share.saved_run(_run())))
+    nodes = doc["trees"]["beam"]["branches"][0]["column"]["beam_nodes"]
+    assert len(nodes) >= 2 and nodes[0]["id"] == 0
+    edit(nodes)
+    with pytest.raises(share.ShareError, match=why):
+        _open(json.dumps(doc))
+
+
+def test_a_column_with_a_first_token_time_and_no_last_or_done_still_opens():
+    # hypothesis found it in CI (session 43): a column's done event and last token time emptied, the file opened and
+    # its TPOT raised TypeError (None - float); a column without both times has no TPOT to show
+    doc = json.loads(share.dumps(share.saved_run(_run())))
+    columns = [b["column"] for t in doc["trees"].values() for b in t["branches"]]
+    for col in columns:
+        col["done"], col["last_token_at"], col["first_token_at"] = None, None, 1.0
+    _open(json.dumps(doc))
+
+
 # ---- in a real browser, against a real replica that restarts
 @pytest.fixture(scope="module")
 def share_stack(redis_server, tiny_llama_dir):
