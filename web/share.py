@@ -130,7 +130,6 @@ class SavedColumn(_Saved):
                       last_token_at=self.last_token_at, done=self.done, attempt=self.attempt,
                       restarts=self.restarts, beam_tree=tree)
 
-
     def _check_beam_nodes(self) -> None:
         """A tree the page can draw: the root 0, and every other node under an earlier step's node (a parent
         missing or a loop of parents made the drawing raise or never end; hypothesis found the first, session 43)."""

@@ -79,21 +79,18 @@ class BeamSearch:
         # unprocessed rows take one topk for both the candidates and the top log-probs.
         k = min(self.num_candidates, vocab * len(beams))
         # with logprobs, each beam's row entropy (what its children's tokens were drawn from): one pass, W rows,
-        # which also gives the unprocessed rows' top k
-        nats = [None] * len(beams)
-        if unprocessed and self.num_logprobs is not None:
-            ent, values, ids = entropy_topk_rows(raw, min(max(k, self.num_logprobs), vocab))
-            nats = ent.tolist()
-        elif self.num_logprobs is not None:
-            nats = entropy(raw).tolist()
+        # which for unprocessed rows also gives their top k
+        want_entropy, ent = self.num_logprobs is not None, None
         if unprocessed:
-            if self.num_logprobs is None:
-                values, ids = topk_rows(raw, min(k, vocab))
+            n = min(max(k, self.num_logprobs or 0), vocab)
+            ent, values, ids = entropy_topk_rows(raw, n) if want_entropy else (None, *topk_rows(raw, n))
             tops = self._tops(raw, (values, ids))
             row_top, row_ids = values[:, :k] + self.scores[:, None], ids[:, :k]
         else:
+            ent = entropy(raw) if want_entropy else None
             tops = self._tops(raw)
             row_top, row_ids = topk_rows(processed + self.scores[:, None], min(k, vocab))
+        nats = ent.tolist() if ent is not None else [None] * len(beams)
         top, at = row_top.view(-1).topk(k)
         flat = (at // row_top.shape[1]) * vocab + row_ids.reshape(-1)[at]
         # a grammar (structured outputs) may allow fewer tokens than candidates: never continue a -inf one

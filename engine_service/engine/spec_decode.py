@@ -197,9 +197,10 @@ class SpecDecoder:
             if k:
                 seq.request.spec.add(k, len(tokens) - 1)
                 self.totals.add(k, len(tokens) - 1)
-                if seq.request.params.speculative_schedule == "heuristic":
-                    seq.spec_k = next_draft_length(seq.spec_k or seq.request.params.num_speculative_tokens,
-                                                   seq.request.params.num_speculative_tokens, k, len(tokens) - 1)
+                p = seq.request.params
+                if p.speculative_schedule == "heuristic":
+                    seq.spec_k = next_draft_length(seq.spec_k or p.num_speculative_tokens, p.num_speculative_tokens,
+                                                   k, len(tokens) - 1)
             # seq.draft_probs stays: a failed batch is re-run (isolation.py); the engine drops it after
             del seq.token_ids[base:]
             seq.num_draft_tokens = 0
