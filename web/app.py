@@ -31,6 +31,11 @@ DRAW_JS = Path(__file__).with_name("draw.js").read_text()
 # the shading is the stylesheet's choice (style.css): no round trip, no re-render
 SHADE_JS = "(v) => { document.documentElement.dataset.shade = v; return []; }"
 DEFAULTS = Settings()
+# Gradio's queue looks for work every 1 ms while it has none, and all through a run (its `sleep_when_free`, Linux):
+# ~900 wake-ups a second, 5-6% of one of the box's two cores with no page open. 10 ms is far below what a click
+# can tell. It looks for progress updates (gr.Progress, which no event here reports) every 10 ms: 100 here.
+QUEUE_POLL_S = 0.01
+PROGRESS_POLL_S = 0.1
 INTRO = ("<h1>DecodeLab</h1><p>One prompt, four ways to decode it, streamed side by side from one engine batch. "
          "The warmer a token's shade, the less likely it was: hover it for its probability and the top alternatives, "
          "click it to branch from there with another token. Below, the KV cache the four requests share.</p>")
@@ -249,6 +254,8 @@ def page_js() -> str:
 
 def launch(demo: gr.Blocks, host: str, port: int, **kw):
     demo.queue(default_concurrency_limit=None, max_size=256)
+    demo._queue.sleep_when_free = QUEUE_POLL_S
+    demo._queue.progress_update_sleep_when_free = PROGRESS_POLL_S
     # uploads are run files only: Gradio refuses anything far past their cap before it reaches the disk.
     # run_history off: Gradio 6 kept each run's outputs (every frame's column HTML) in the browser's localStorage
     # and re-parsed the whole history every 500 ms of a stream: Chromium's CPU a run doubled against the engine's
