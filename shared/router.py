@@ -71,6 +71,7 @@ class Router:
         self.affinity_ttl_s, self.live_cache_s = affinity_ttl_s, live_cache_s
         self._live: tuple[float, list[str]] = (0.0, [])
         self._tokenizers: dict[str, object] = {}  # model -> tokenizer, or the task loading it
+        self._tried: set[str] = set()  # models whose published tokenizer was loaded, or failed to load
         self._model: str | None = None  # the model the live replicas serve (their heartbeats), once seen
         self._block_sizes: dict[str, int] = {}  # replica -> its block size, from its last heartbeat
 
@@ -90,12 +91,32 @@ class Router:
             return None
         return None if isinstance(tok, asyncio.Future) else tok
 
+    async def preload(self, poll_s: float = 1.0) -> None:
+        """Load the tokenizer of the model the live replicas serve before a request needs it, polling until one
+        has published it. Loaded for the first request instead (transformers' import and the files, ~0.5-1 s of a
+        core), it held that request's events up in this process: its first token came 0.4-0.8 s late."""
+        while True:
+            try:
+                names = await self.live_replicas()
+                beats = await self.redis.mget([self.keys.replica(n) for n in names]) if names else []
+            except RedisError as e:
+                log.debug("router: preload waits for Redis (%s)", e)
+                beats = []
+            for model in {info.get("model") for raw in beats if (info := _info(raw))} - {None}:
+                self.tokenizer(model)  # starts loading it, unless it is loaded or loading
+            loading = [t for t in self._tokenizers.values() if isinstance(t, asyncio.Future)]
+            await asyncio.gather(*loading)
+            if self._tried:
+                return
+            await asyncio.sleep(poll_s)
+
     async def _load_tokenizer(self, model: str) -> None:
         try:
             files = await self.redis.hgetall(self.keys.tokenizer(model))
             if not files:  # no replica of this model has published it yet: try again on a later request
                 self._tokenizers.pop(model, None)
                 return
+            self._tried.add(model)
             self._tokenizers[model] = await asyncio.to_thread(load_tokenizer, files)
             log.info("router: loaded the tokenizer of %s from Redis", model)
         except Exception as e:  # a broken tokenizer must not stop routing by load

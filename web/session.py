@@ -49,12 +49,17 @@ class Service:
 
     async def health(self) -> tuple[bool, dict[str, dict]]:
         """(Redis reachable?, live replicas)."""
-        r = self.client().redis
+        client = self.client()
         try:
-            await asyncio.wait_for(r.ping(), 2.0)
-            return True, await asyncio.wait_for(monitor.replicas(r, self.keys), 2.0)
+            await asyncio.wait_for(client.redis.ping(), 2.0)
+            live = await asyncio.wait_for(monitor.replicas(client.redis, self.keys), 2.0)
         except (TimeoutError, RedisError, OSError):
             return False, {}
+        if client.router is not None:  # the page's load: its first Run must not wait for the tokenizer (router.py)
+            for info in live.values():
+                if info.get("model"):
+                    client.router.tokenizer(str(info["model"]))
+        return True, live
 
     async def kv(self) -> list[KVSnapshot]:
         try:

@@ -155,6 +155,52 @@ def test_equal_replicas_share_the_requests(redis_server, keys):
     assert set(picks) == {"a", "b", "c"}, picks
 
 
+# ---- the tokenizer is loaded before the first request needs it
+def test_the_router_preloads_the_tokenizer_once_a_replica_publishes_it(redis_server, keys, tiny_llama_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+
+    async def main():
+        r = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+        router = Router(r, keys, live_cache_s=0)
+        preload = asyncio.create_task(router.preload(poll_s=0.05))
+        await asyncio.sleep(0.3)
+        assert not preload.done(), "no replica is live yet: it keeps looking"
+        await _fake_replica(r, keys, "a")  # serves "m", whose tokenizer is not published yet
+        await asyncio.sleep(0.3)
+        assert not preload.done()
+        await r.hset(keys.tokenizer("m"), mapping=tokenizer_files(tok))
+        await asyncio.wait_for(preload, 60)
+        loaded = router._tokenizers["m"]  # loaded before any request asked: router.tokenizer() starts nothing
+        assert router.tokenizer("m") is loaded
+        request = GenerationRequest(prompt="Why is the sky blue?", model="m")
+        assert prompt_token_ids(request, loaded) == prompt_token_ids(request, tok)
+        await r.aclose()
+
+    run(main())
+
+
+def test_a_broken_published_tokenizer_ends_the_preload_and_routing_goes_on_by_load(redis_server, keys):
+    async def main():
+        r = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+        await _fake_replica(r, keys, "a")
+        await r.hset(keys.tokenizer("m"), mapping={"tokenizer.json": "{not json", "tokenizer_config.json": "{}"})
+        router = Router(r, keys, live_cache_s=0)
+        await asyncio.wait_for(router.preload(poll_s=0.05), 60)  # tried once, not every poll forever
+        assert "m" not in router._tokenizers
+        route = await router.route(GenerationRequest(prompt="Hello", model="m"))
+        assert (route.replica, route.reason) == ("a", "load")
+        await r.aclose()
+
+    run(main())
+
+
+def test_the_api_has_the_tokenizer_before_its_first_request(api):
+    state, http = api
+    assert http.get("/health").status_code == 200
+    wait_until(lambda: not isinstance(state.client.router._tokenizers.get("tiny"), (type(None), asyncio.Future)),
+               60, what="the API's router loaded the tokenizer its replica publishes, with no request sent")
+
+
 # ---- routed requests on real replica processes
 async def _tokenizer_loaded(router: Router, model: str, timeout: float = 30) -> None:
     """Until the router has the model's tokenizer from Redis (a replica publishes it at its first heartbeat)."""

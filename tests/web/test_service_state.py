@@ -171,3 +171,23 @@ def test_the_runs_first_token_is_drawn_at_once_not_a_pace_later(redis_server, ti
             worker.stop()
         for rid in list(engine.requests):
             engine.abort(rid)
+
+
+def test_the_pages_health_check_starts_loading_the_tokenizer_its_first_run_routes_with(redis_server, tiny_stack):
+    """Loaded at the first Run instead, transformers' import held that run's first tokens up in the web process."""
+    from web.session import Service
+
+    _, _, keys = tiny_stack
+
+    async def main():
+        service = Service(redis_server.url, keys)
+        ok, live = await service.health()
+        assert ok and {info["model"] for info in live.values()} == {"tiny"}
+        router = service.client().router
+        loading = router._tokenizers.get("tiny")
+        assert isinstance(loading, asyncio.Future), "the page's load started no tokenizer load"
+        await asyncio.wait_for(loading, 60)
+        assert router.tokenizer("tiny") is not None
+        await service.client().close()
+
+    run(main(), 90)

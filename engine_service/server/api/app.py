@@ -33,7 +33,11 @@ disable_created_metrics()
 def create_app(state: ServiceState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI):
+        router = state.client.router
+        preload = asyncio.create_task(router.preload()) if router is not None else None
         yield
+        if preload is not None:
+            preload.cancel()
         # Shutdown (intake already stopped at the signal, see engine_cmd): let running requests finish within the
         # grace period, hand the rest back to the stream for another replica, stop.
         if (replica := state.replica) is not None:
