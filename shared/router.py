@@ -91,6 +91,12 @@ class Router:
             return None
         return None if isinstance(tok, asyncio.Future) else tok
 
+    def warm(self, model: str) -> None:
+        """Start loading the model's tokenizer unless it is loaded or loading, or its published files failed to
+        load before (then only a request tries again: a caller that polls must not retry a broken one each time)."""
+        if model not in self._tried:
+            self.tokenizer(model)
+
     async def preload(self, poll_s: float = 1.0) -> None:
         """Load the tokenizer of the model the live replicas serve before a request needs it, polling until one
         has published it. Loaded for the first request instead (transformers' import and the files, ~0.5-1 s of a
@@ -103,7 +109,7 @@ class Router:
                 log.debug("router: preload waits for Redis (%s)", e)
                 beats = []
             for model in {info.get("model") for raw in beats if (info := _info(raw))} - {None}:
-                self.tokenizer(model)  # starts loading it, unless it is loaded or loading
+                self.warm(model)
             loading = [t for t in self._tokenizers.values() if isinstance(t, asyncio.Future)]
             await asyncio.gather(*loading)
             if self._tried:

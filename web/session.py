@@ -58,7 +58,7 @@ class Service:
         if client.router is not None:  # the page's load: its first Run must not wait for the tokenizer (router.py)
             for info in live.values():
                 if info.get("model"):
-                    client.router.tokenizer(str(info["model"]))
+                    client.router.warm(str(info["model"]))
         return True, live
 
     async def kv(self) -> list[KVSnapshot]:

@@ -187,6 +187,8 @@ def test_a_broken_published_tokenizer_ends_the_preload_and_routing_goes_on_by_lo
         router = Router(r, keys, live_cache_s=0)
         await asyncio.wait_for(router.preload(poll_s=0.05), 60)  # tried once, not every poll forever
         assert "m" not in router._tokenizers
+        router.warm("m")  # what the playground calls at every health check: no new attempt
+        assert "m" not in router._tokenizers
         route = await router.route(GenerationRequest(prompt="Hello", model="m"))
         assert (route.replica, route.reason) == ("a", "load")
         await r.aclose()
