@@ -195,3 +195,34 @@ def test_smollm2_cache_loads_in_transformers_and_knows_paris(smollm2_dir):
     ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
     out = model.generate(ids, max_new_tokens=3, do_sample=False)
     assert tokenizer.decode(out[0, ids.shape[1]:]).startswith(" Paris")
+
+
+def test_within_gguf_parsed_once_a_file_is_read_once_and_a_name_map_built_once(tmp_path):
+    import gguf
+    import numpy as np
+
+    from engine_service.engine.models.loader import gguf_parsed_once
+
+    path = tmp_path / "t.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(2)
+    w.add_token_list(["a", "b", "c"])
+    w.add_tensor("token_embd.weight", np.arange(12, dtype=np.float32).reshape(3, 4))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    fresh = gguf.GGUFReader(path)
+    original = gguf.get_tensor_name_map, gguf.GGUFReader
+    with gguf_parsed_once():
+        first, again = gguf.GGUFReader(path), gguf.GGUFReader(str(path))
+        assert first is again and set(first.fields) == set(fresh.fields)
+        assert np.array_equal(first.tensors[0].data, fresh.tensors[0].data)
+        arch = gguf.MODEL_ARCH.LLAMA
+        names = gguf.get_tensor_name_map(arch, 2)
+        assert gguf.get_tensor_name_map(arch, 2) is names
+        assert names.get_name("model.layers.1.self_attn.q_proj") == "blk.1.attn_q"
+    assert (gguf.get_tensor_name_map, gguf.GGUFReader) == original
+    with pytest.raises(RuntimeError), gguf_parsed_once():
+        raise RuntimeError("a failed conversion")
+    assert (gguf.get_tensor_name_map, gguf.GGUFReader) == original

@@ -4,6 +4,8 @@ GGUF sources are dequantised once with transformers and cached as fp32 safetenso
 `~/.cache/decodelab/models/<name>` (or $DECODELAB_CACHE_DIR/<name>); later loads read the cache.
 """
 
+import contextlib
+import functools
 import hashlib
 import os
 import shutil
@@ -73,9 +75,10 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
         _progress(f"{time.perf_counter() - start:5.1f}s {msg}")
 
     step(f"loading GGUF {gguf} (one-time conversion to {out.parent}) ...")
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    step("loading tokenizer from GGUF ...")
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    with gguf_parsed_once():
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        step("loading tokenizer from GGUF ...")
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # save_pretrained refuses a GGUF-loaded (quantized) model until these are gone; weights are fp32 now
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -86,6 +89,32 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     if gguf.parent == out:
         gguf.unlink()  # an assembled chunked GGUF is only needed for the conversion
     step("done")
+
+
+@contextlib.contextmanager
+def gguf_parsed_once():
+    """Within it, the gguf package's file reader and tensor-name map are built once per file / architecture.
+
+    transformers' GGUF loading builds the name map again for every module of the model (397 times for SmolLM2)
+    and parses the file three times (config, tensors, tokenizer; the vocabulary field by field in Python): a
+    first `play` converted SmolLM2 in 25.9 s, 12.5 s with this (the same files, byte for byte; the 2-core AMD
+    EPYC). Both are only read by their callers."""
+    import gguf
+
+    saved = gguf.get_tensor_name_map, gguf.GGUFReader
+    readers: dict[tuple[str, str], object] = {}
+
+    def reader(path, mode: str = "r"):
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = saved[1](path, mode)
+        return readers[key]
+
+    gguf.get_tensor_name_map, gguf.GGUFReader = functools.lru_cache(maxsize=None)(saved[0]), reader
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map, gguf.GGUFReader = saved
 
 
 def _progress(msg: str) -> None:
