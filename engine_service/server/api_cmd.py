@@ -37,7 +37,7 @@ def run_api(args: argparse.Namespace) -> int:
     state = ServiceState(model_name=args.served_model_name or EngineConfig.model, client=client,
                          registry=CollectorRegistry(), api_key=args.api_key,
                          default_max_tokens=args.default_max_tokens, max_inflight=args.max_inflight, front=True)
-    config = http_config(create_app(state), args, backlog=4096, access_log=False)
+    config = http_config(create_app(state, preload_tokenizer=True), args, backlog=4096, access_log=False)
     uvicorn.Server(config).run()
     return 0
 

@@ -98,16 +98,33 @@ def api(make_worker, redis_server, keys):
     """The replica's FastAPI app under a real uvicorn, in-process, over the in-process worker: (state, http)."""
     from engine_service.server.api.app import create_app
     from engine_service.server.api.state import ServiceState
-    from engine_service.server.engine_cmd import http_config
     from engine_service.server.metrics import ReplicaMetrics
     from shared.client import EngineClient
 
     registry = CollectorRegistry()
     state = ServiceState("tiny", EngineClient(redis_server.url, keys), registry, drain_timeout=2)
     state.replica = make_worker(metrics=ReplicaMetrics(registry))
+    yield from _serve(create_app(state), state)
+
+
+@pytest.fixture
+def api_front(make_worker, redis_server, keys):
+    """`decodelab api`'s app (no engine in it) under a real uvicorn, in-process, and a worker: (state, http)."""
+    from engine_service.server.api.app import create_app
+    from engine_service.server.api.state import ServiceState
+    from shared.client import EngineClient
+
+    make_worker()
+    state = ServiceState("tiny", EngineClient(redis_server.url, keys), CollectorRegistry(), drain_timeout=2)
+    yield from _serve(create_app(state, preload_tokenizer=True), state)
+
+
+def _serve(app, state):
+    from engine_service.server.engine_cmd import http_config
+
     port = free_port()
     args = argparse.Namespace(host="127.0.0.1", port=port, log_level="warning")
-    server = uvicorn.Server(http_config(create_app(state), args))  # the HTTP stack `engine` and `api` serve on
+    server = uvicorn.Server(http_config(app, args))  # the HTTP stack `engine` and `api` serve on
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     wait_until(lambda: server.started, 20, what="uvicorn started")

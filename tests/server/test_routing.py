@@ -196,8 +196,8 @@ def test_a_broken_published_tokenizer_ends_the_preload_and_routing_goes_on_by_lo
     run(main())
 
 
-def test_the_api_has_the_tokenizer_before_its_first_request(api):
-    state, http = api
+def test_an_api_front_has_the_tokenizer_before_its_first_request(api_front):
+    state, http = api_front
     assert http.get("/health").status_code == 200
     wait_until(lambda: not isinstance(state.client.router._tokenizers.get("tiny"), (type(None), asyncio.Future)),
                60, what="the API's router loaded the tokenizer its replica publishes, with no request sent")

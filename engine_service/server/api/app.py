@@ -30,11 +30,14 @@ log = logging.getLogger("decodelab.api")
 disable_created_metrics()
 
 
-def create_app(state: ServiceState) -> FastAPI:
+def create_app(state: ServiceState, *, preload_tokenizer: bool = False) -> FastAPI:
+    """`preload_tokenizer`: an API front loads the tokenizer the replicas publish at start, not at its first
+    request (shared/router.py). A replica's own app does not: its process runs the engine and has imported
+    transformers already, so the first request's load is short there, and it need not share a core with the start."""
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         router = state.client.router
-        preload = asyncio.create_task(router.preload()) if router is not None else None
+        preload = asyncio.create_task(router.preload()) if router is not None and preload_tokenizer else None
         yield
         if preload is not None:
             preload.cancel()
