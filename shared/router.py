@@ -99,8 +99,8 @@ class Router:
 
     async def preload(self, poll_s: float = 1.0) -> None:
         """Load the tokenizer of the model the live replicas serve before a request needs it, polling until one
-        has published it. Loaded for the first request instead (transformers' import and the files, ~0.5-1 s of a
-        core), it held that request's events up in this process: its first token came 0.4-0.8 s late."""
+        has published it. Loaded for the first request instead, transformers' import and the files (~0.7 s of the
+        API process's CPU by py-spy) held that request's events up in this process."""
         while True:
             try:
                 names = await self.live_replicas()
