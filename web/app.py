@@ -203,12 +203,13 @@ def build_app(service: Service) -> gr.Blocks:
         inputs = [prompt, chat, system, max_tokens, model, share, beam_width, length_penalty, beams_shown,
                   temperature, top_k, top_p, min_p, seed, n, proposer, spec_k, constraint_type, constraint, compare,
                   pipeline, spec_adaptive]
-        # always_last: a Run clicked while the last run still draws its summary (after every column is final)
-        # runs next; Gradio's default ("once") would drop that click silently
+        # multiple: a Run clicked during a run starts the new one at once and stops the old (h.run). Gradio's
+        # default ("once") would drop that click, and "always_last" would start it only when the old run ends,
+        # minutes later at 1024 tokens, and even after Stop (the page holds the deferred click)
         run_event = run_btn.click(h.run, inputs, [message, *outs, kv, steps, trace, chart, run_json], api_name="run",
-                                  concurrency_limit=None, show_progress="hidden", trigger_mode="always_last")
+                                  concurrency_limit=None, show_progress="hidden", trigger_mode="multiple")
         prompt.submit(h.run, inputs, [message, *outs, kv, steps, trace, chart, run_json], api_name=False,
-                      concurrency_limit=None, show_progress="hidden", trigger_mode="always_last")
+                      concurrency_limit=None, show_progress="hidden", trigger_mode="multiple")
         examples.click(_example, examples, [prompt, chat, system, constraint_type, constraint, constraint_box],
                        api_name=False, queue=False)
         stop_btn.click(h.stop, None, None, api_name="stop", concurrency_limit=None, queue=False)

@@ -112,10 +112,14 @@ class Handlers:
         self._remember(session, run)
         seen: dict = {}
         first = True
-        async for _ in run.updates():
-            yield self._frame(run, seen, clear=first)
-            first = False
-        yield self._frame(run, seen, final=True)
+        async with contextlib.aclosing(run.updates()) as updates:
+            async for _ in updates:
+                if self.runs.get(session) is not run:
+                    return  # a newer Run stopped this one and draws its own: no frame of this one may follow
+                yield self._frame(run, seen, clear=first)
+                first = False
+        if self.runs.get(session) is run:
+            yield self._frame(run, seen, final=True)
 
     def _frame(self, run: Run, seen: dict, clear: bool = False, final: bool = False) -> tuple:
         cols = run.columns

@@ -122,6 +122,41 @@ def test_bad_input_shows_inline_errors_within_seconds(tiny_stack, page):
     assert page.errors == []
 
 
+def tokens_shown(page) -> dict[str, int]:
+    return {m: page.locator(f"#out-{m} .dl-col > .txt .tk").count() for m in MODES}
+
+
+def test_run_during_a_run_replaces_it_and_stop_leaves_nothing_running(smol_stack, page):
+    """Run while a long run streams starts the new run at once (its settings, its frames only) and stops the old
+    one's requests; Run, Run, Stop leaves nothing to start after the Stop. Gradio's "always_last" deferred the
+    second click to the end of the first run (30 s and more here), then ran it even after Stop."""
+    web, _, _ = smol_stack
+    open_playground(page, web.url, "Once upon a time, in a land far away, there lived a dragon who")
+    set_number(page, "max-tokens", 1024)
+    page.locator("#run").click()
+    expect(page.locator("#out-greedy .dl-col > .txt .tk").nth(2)).to_be_attached(timeout=30_000)
+    set_number(page, "max-tokens", 6)
+    page.locator("#run").click()
+    assert set(wait_columns_final(page, 20_000).values()) == {"done"}
+    shown = tokens_shown(page)
+    assert shown["greedy"] == 6 and shown["speculative"] == 6, shown
+    expect(page.locator("#dl-service")).to_contain_text("0 running", timeout=10_000)  # the long run's too
+    page.wait_for_timeout(1_000)
+    assert tokens_shown(page) == shown  # no frame of the replaced run came after
+
+    set_number(page, "max-tokens", 1024)
+    page.locator("#run").click()
+    page.locator("#run").click()
+    expect(page.locator("#out-greedy .dl-col > .txt .tk").nth(2)).to_be_attached(timeout=30_000)
+    page.locator("#stop").click()
+    assert set(wait_columns_final(page, 10_000).values()) == {"cancelled"}
+    expect(page.locator("#dl-service")).to_contain_text("0 running", timeout=10_000)
+    page.wait_for_timeout(2_000)
+    status = {m: page.locator(f"#out-{m} .dl-col").get_attribute("data-status") for m in MODES}
+    assert status == dict.fromkeys(MODES, "cancelled"), status  # nothing started after the Stop
+    assert page.errors == []
+
+
 @pytest.mark.parametrize("which, pill, message", [
     ("engine_down_web", "No engine replica connected", "No engine replica is connected"),
     ("redis_down_web", "Redis unreachable", "Redis is unreachable"),
