@@ -9,10 +9,14 @@ import os
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no phoning home (and no version check)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from collections.abc import Awaitable, Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import gradio as gr  # noqa: E402
 from starlette.middleware import Middleware  # noqa: E402
+from starlette.requests import Request  # noqa: E402
+from starlette.responses import JSONResponse  # noqa: E402
+from starlette.routing import Route  # noqa: E402
 
 from web import handlers, share, share_view  # noqa: E402
 from web.head_first import HeadFirst  # noqa: E402
@@ -28,6 +32,7 @@ PIPELINE_PATH = Path(__file__).with_name("pipeline.js")  # click a traced token:
 FRAMES_PATH = Path(__file__).with_name("frames.js")  # first in <head>: Gradio's status-tracker timers off the frames
 # the streamed outputs draw themselves, only what changed (Gradio 6 redraws an HTML value whole on every frame)
 DRAW_JS = Path(__file__).with_name("draw.js").read_text()
+PULSE_JS = Path(__file__).with_name("pulse.js").read_text()
 # the shading is the stylesheet's choice (style.css): no round trip, no re-render
 SHADE_JS = "(v) => { document.documentElement.dataset.shade = v; return []; }"
 DEFAULTS = Settings()
@@ -97,7 +102,9 @@ def build_app(service: Service) -> gr.Blocks:
     with gr.Blocks(title="DecodeLab playground", analytics_enabled=False) as demo:
         with gr.Row(equal_height=True):
             gr.HTML(INTRO, elem_id="dl-title")
-            service_html = gr.HTML(elem_id="dl-service")
+            service_html = _drawn(elem_id="dl-service")
+            # the page's pulse: the load gives it the session, web/pulse.js then redraws the pill and the KV panel
+            pulse = gr.HTML("", html_template="", js_on_load=PULSE_JS, elem_id="dl-pulse", visible="hidden")
         with gr.Row():
             with gr.Column(scale=3):
                 prompt = gr.Textbox("", label="Prompt", lines=2, max_lines=12, elem_id="prompt",
@@ -220,16 +227,15 @@ def build_app(service: Service) -> gr.Blocks:
         switch_btn.click(h.switch, branch_cmd, [*outs, trace], js=read_cmd, api_name=False, trigger_mode="multiple",
                          queue=False, show_progress="hidden")
         shade.change(None, shade, None, js=SHADE_JS, api_name=False, queue=False)
-        timer = gr.Timer(1.0)
-        timer.tick(h.tick, None, [service_html, kv], api_name=False, concurrency_limit=None,
-                   show_progress="hidden", queue=False)
-        loaded = demo.load(h.load, None, [service_html, kv, model, compare, proposer], api_name=False, queue=False)
+        loaded = demo.load(h.load, None, [service_html, kv, model, compare, proposer, pulse], api_name=False,
+                           queue=False)
         _share_events(share_view.ShareHandlers(h), inputs, [message, *outs, kv, steps, trace, chart, run_json],
                       share_btn, download_btn, upload_btn, share_html, rerun_btn, loaded)
         # a new run: the last one's link, file and re-run button go (Share saves the new one)
         gr.on([run_btn.click, prompt.submit], share_view.cleared, None, [share_html, download_btn, rerun_btn],
               api_name=False, queue=False)
         demo.unload(h.unload)
+    demo.dl_pulse = h.pulse  # served by launch() at dl/pulse, outside Gradio's events (web/pulse.js)
     return demo
 
 
@@ -253,6 +259,16 @@ def page_js() -> str:
     return "() => { " + " ".join(f"({p.read_text()})();" for p in scripts) + " }"
 
 
+def _pulse_endpoint(pulse: Callable[[str], Awaitable[tuple[str, str | None]]]):
+    """GET dl/pulse?session=...: {"service": the pill's HTML, "kv": the KV panel's, or null where the session's run
+    draws it}. A plain route, not a Gradio event: a gr.Timer's tick walked every component's loading status and
+    cloned their state in the page, ~5% of a core of an idle page's Chromium (docs/playground.md)."""
+    async def endpoint(request: Request) -> JSONResponse:
+        service, kv = await pulse(request.query_params.get("session", "")[:128])
+        return JSONResponse({"service": service, "kv": kv}, headers={"Cache-Control": "no-store"})
+    return endpoint
+
+
 def launch(demo: gr.Blocks, host: str, port: int, **kw):
     demo.queue(default_concurrency_limit=None, max_size=256)
     demo._queue.sleep_when_free = QUEUE_POLL_S
@@ -262,8 +278,9 @@ def launch(demo: gr.Blocks, host: str, port: int, **kw):
     # and re-parsed the whole history every 500 ms of a stream: Chromium's CPU a run doubled against the engine's
     # over 25 runs on one page, and TPOT rose to ~100 ms by runs 22-29 of 30 (docs/benchmarks.md). Share keeps runs.
     head_first = Middleware(HeadFirst, script=FRAMES_PATH.read_text())
+    routes = [Route("/dl/pulse", _pulse_endpoint(demo.dl_pulse))]
     return demo.launch(server_name=host, server_port=port, theme=theme(), css_paths=[CSS_PATH], ssr_mode=False,
-                       app_kwargs={"middleware": [head_first]}, js=page_js(), show_error=True,
+                       app_kwargs={"middleware": [head_first], "routes": routes}, js=page_js(), show_error=True,
                        quiet=kw.pop("quiet", False), run_history=False,
                        max_file_size=2 * share.MAX_FILE_BYTES, **kw)
 

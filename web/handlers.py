@@ -220,12 +220,14 @@ class Handlers:
             return [gr.skip()] * (len(MODES) + 1)
         return [*self._column(run, c["mode"]), run_trace_html(run)]
 
-    async def tick(self, request: gr.Request):
+    async def pulse(self, session: str) -> tuple[str, str | None]:
+        """The page's pulse (web/pulse.js asks once a second): the service pill, and the KV panel unless the
+        session's run draws it (a live run's own frames; a saved run shows its own): then None."""
         ok, live = await self.service.health()
         status = service_html(self.service, ok, live)
-        run = self.runs.get(request.session_hash if request is not None else "")
+        run = self.runs.get(session)
         if run is not None and (not run.finished or run.shared):
-            return status, gr.skip()  # the run's own updates draw the KV panel; a saved run shows its own
+            return status, None
         return status, await self._kv_html(run)
 
     async def _kv_html(self, run: Run | None) -> str:
@@ -237,7 +239,7 @@ class Handlers:
         models = sorted({str(r["model"]) for r in live.values() if r.get("model")})
         dropdown = gr.Dropdown(choices=models, value=models[0] if len(models) == 1 else None)
         return (service_html(self.service, ok, live), await self._kv_html(None), dropdown, compare_control(live),
-                proposer_control(live))
+                proposer_control(live), request.session_hash if request is not None else "")
 
     async def unload(self, request: gr.Request):
         run = self.runs.pop(request.session_hash if request is not None else "", None)

@@ -201,3 +201,27 @@ def test_gradios_status_trackers_ask_for_no_frames_on_an_idle_page(tiny_stack, p
     assert page.evaluate("window.__frames.trackers") == 0
     assert page.errors == []
 
+
+
+def test_an_idle_page_sends_gradio_no_events_and_its_pulse_redraws_the_pill_and_the_kv_panel(tiny_stack, page):
+    """The pill and the KV panel come from the page's pulse (web/pulse.js, GET dl/pulse once a second), not from a
+    Gradio timer, whose every tick walked all the page's components (~5% of a core of an idle page's Chromium)."""
+    web, _, _ = tiny_stack
+    asked: list[str] = []
+    page.on("request", lambda r: asked.append(r.url))
+    page.goto(web.url)
+    expect(page.locator("#dl-service")).to_contain_text("1 replica", timeout=10_000)
+    expect(page.locator("#kv")).to_contain_text("prefix hits")
+    page.wait_for_timeout(1_000)
+    del asked[:]
+    for host in ("dl-service", "kv"):  # stale drawings: the pulse must draw over them
+        page.evaluate("""(id) => [...document.getElementById(id).querySelectorAll('*')].find((e) => e.dlDraw)
+                                   .dlDraw('<p class="stale">stale</p>')""", host)
+    page.wait_for_timeout(3_000)
+    pulses = [u for u in asked if "/dl/pulse?session=" in u]
+    assert 2 <= len(pulses) <= 5, asked
+    assert [u for u in asked if "/gradio_api/" in u] == []
+    expect(page.locator("#dl-service")).to_contain_text("1 replica")
+    expect(page.locator("#kv")).to_contain_text("prefix hits")
+    expect(page.locator(".stale")).to_have_count(0)
+    assert page.errors == []
