@@ -220,7 +220,8 @@ def test_an_idle_page_sends_gradio_no_events_and_its_pulse_redraws_the_pill_and_
     page.wait_for_timeout(3_000)
     pulses = [u for u in asked if "/dl/pulse?session=" in u]
     assert 2 <= len(pulses) <= 5, asked
-    assert [u for u in asked if "/gradio_api/" in u] == []
+    # no event: neither an unqueued call nor a queued one (the page's streams, a heartbeat, may still open late)
+    assert [u for u in asked if "/gradio_api/run/" in u or "/gradio_api/queue/join" in u] == []
     expect(page.locator("#dl-service")).to_contain_text("1 replica")
     expect(page.locator("#kv")).to_contain_text("prefix hits")
     expect(page.locator(".stale")).to_have_count(0)
