@@ -112,14 +112,16 @@ class Handlers:
         self._remember(session, run)
         seen: dict = {}
         first = True
-        async with contextlib.aclosing(run.updates()) as updates:
-            async for _ in updates:
-                if self.runs.get(session) is not run:
-                    return  # a newer Run stopped this one and draws its own: no frame of this one may follow
+        async for _ in run.updates():
+            if self.runs.get(session) is run:  # else a newer Run stopped this one and draws the page
                 yield self._frame(run, seen, clear=first)
                 first = False
-        if self.runs.get(session) is run:
-            yield self._frame(run, seen, final=True)
+        final = self._frame(run, seen, final=True)
+        newer = self.runs.get(session)
+        if newer is not run:
+            # nothing of this run on the page; its data (the API's answer) only while the newer run's is to come
+            final = (*[gr.skip()] * (len(final) - 1), final[-1] if newer is None or not newer.finished else gr.skip())
+        yield final
 
     def _frame(self, run: Run, seen: dict, clear: bool = False, final: bool = False) -> tuple:
         cols = run.columns

@@ -116,6 +116,23 @@ def test_stop_cancels_every_running_column(tiny_stack):
         assert c["metrics"]["tokens"] < 1000
 
 
+def test_a_second_run_in_the_session_ends_the_first_which_still_answers_with_its_data(tiny_stack):
+    """The page draws only the newest run of a session (a second Run replaces the first); an API client that
+    submits two runs in one session still gets the first one's data, its columns cancelled."""
+    web, _, _ = tiny_stack
+    client = Client(web.url, verbose=False)
+    first = client.submit(**{**BASE, "max_tokens": 1000, "share": False, "beams_shown": 1}, api_name="/run")
+    wait_until(lambda: any('data-status="running"' in str(f) for f in first.outputs()), TIMEOUT, 0.05,
+               "a column to start running")
+    second = client.submit(**{**BASE, "max_tokens": 8}, api_name="/run")
+    cols = columns(first.result(timeout=TIMEOUT))
+    assert {c["status"] for c in cols.values()} == {"cancelled"}, cols
+    assert all(c["metrics"]["tokens"] < 1000 for c in cols.values())
+    cols = columns(second.result(timeout=TIMEOUT))
+    assert {c["status"] for c in cols.values()} == {"done"}, cols
+    assert cols["greedy"]["metrics"]["tokens"] == 8
+
+
 def test_two_sessions_stream_their_own_requests_batched_together(tiny_stack, tiny_reference):
     web, replica, _ = tiny_stack
     prompts = ["The quick brown fox", "Once upon a time there was"]
