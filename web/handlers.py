@@ -116,12 +116,12 @@ class Handlers:
             if self.runs.get(session) is run:  # else a newer Run stopped this one and draws the page
                 yield self._frame(run, seen, clear=first)
                 first = False
-        final = self._frame(run, seen, final=True)
         newer = self.runs.get(session)
-        if newer is not run:
-            # nothing of this run on the page; its data (the API's answer) only while the newer run's is to come
-            final = (*[gr.skip()] * (len(final) - 1), final[-1] if newer is None or not newer.finished else gr.skip())
-        yield final
+        if newer is run:
+            yield self._frame(run, seen, final=True)
+        else:  # nothing of this run on the page; its data (the API's answer) only while the newer run's is to come
+            yield *[gr.skip()] * (len(MODES) + 5), (self._data(run) if newer is None or not newer.finished
+                                                    else gr.skip())
 
     def _frame(self, run: Run, seen: dict, clear: bool = False, final: bool = False) -> tuple:
         cols = run.columns
@@ -159,13 +159,18 @@ class Handlers:
         if final:
             msg = message_html(run.message) if run.message else ""
             fig = summary_figure([cols[m] for m in MODES])
-            data = {"columns": {m: c.summary() for m, c in cols.items()}, "message": run.message,
-                    "kv": run.kv[0].stats if run.kv else None,
-                    "proposers": None if run.rival is None else {  # compare proposers: both speculative runs
-                        c.request.params.proposer: c.summary() for c in (cols["speculative"], run.rival)}}
-            return msg, *htmls, kv, steps, trace, fig, data
+            return msg, *htmls, kv, steps, trace, fig, self._data(run)
         msg = message_html(run.message) if run.message else ""
         return msg, *htmls, kv, steps, trace, (None if clear else gr.skip()), gr.skip()
+
+    @staticmethod
+    def _data(run: Run) -> dict:
+        """The run's data: the last output of a run's final frame (the page's "Run data", the API's answer)."""
+        cols = run.columns
+        return {"columns": {m: c.summary() for m, c in cols.items()}, "message": run.message,
+                "kv": run.kv[0].stats if run.kv else None,
+                "proposers": None if run.rival is None else {  # compare proposers: both speculative runs
+                    c.request.params.proposer: c.summary() for c in (cols["speculative"], run.rival)}}
 
     async def stop(self, request: gr.Request):
         run = self.runs.get(request.session_hash if request is not None else "")
