@@ -1,7 +1,8 @@
 """Gradio event handlers: Run (streams the four columns), Stop, branches (fork from a token, switch), and the
-service/KV pulse (timer)."""
+service/KV pulse (web/pulse.js asks for it)."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -18,7 +19,7 @@ from web.kv_panel import kv_panel_html
 from web.modes import MODES, Settings, check_prompt
 from web.render import column_html, message_html
 from web.roofline import roofline_html
-from web.session import Run, Service
+from web.session import STOP_GRACE_S, Run, Service
 from web.trace import Trace, trace_html
 
 MAX_SESSIONS = 1000
@@ -110,18 +111,22 @@ class Handlers:
         if (previous := self.runs.get(session)) is not None and not previous.finished:
             previous.stop()
         self._remember(session, run)
-        seen: dict = {}
-        first = True
-        async for _ in run.updates():
-            if self.runs.get(session) is run:  # else a newer Run stopped this one and draws the page
-                yield self._frame(run, seen, clear=first)
-                first = False
-        newer = self.runs.get(session)
-        if newer is run:
+        try:
+            seen: dict = {}
+            first = True
+            async for _ in run.updates():
+                if self.runs.get(session) is run:  # else a newer Run stopped this one and draws the page
+                    yield self._frame(run, seen, clear=first)
+                    first = False
+            if self.runs.get(session) is not run:  # its data alone: the API's answer; nothing on the page
+                yield *[gr.skip()] * (len(MODES) + 5), self._data(run)
+                return
+            if previous is not None and previous.shared is None:  # the run this one replaced answers first, so
+                with contextlib.suppress(asyncio.TimeoutError):  # that its data never lands over this one's
+                    await asyncio.wait_for(previous.answered.wait(), STOP_GRACE_S + 2.0)
             yield self._frame(run, seen, final=True)
-        else:  # nothing of this run on the page; its data (the API's answer) only while the newer run's is to come
-            yield *[gr.skip()] * (len(MODES) + 5), (self._data(run) if newer is None or not newer.finished
-                                                    else gr.skip())
+        finally:
+            run.answered.set()
 
     def _frame(self, run: Run, seen: dict, clear: bool = False, final: bool = False) -> tuple:
         cols = run.columns

@@ -100,6 +100,7 @@ class Run:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.pace = 0.0  # the caller's pause before the next update (from the last one's size), unless _urgent
         self.shared: str | None = None  # a saved run re-opened (web/share.py): its link id or file name; read-only
+        self.answered = asyncio.Event()  # web/handlers.py has sent the run's last frame (its data)
 
     @property
     def finished(self) -> bool:
