@@ -31,6 +31,11 @@ def _where(url: str) -> str:
     return f"{parts.hostname or '?'}:{parts.port or 6379}"  # never the password
 
 
+def session_of(request: gr.Request | None) -> str:
+    """The browser session an event came from ("" for a call without one): the key of its run."""
+    return request.session_hash if request is not None else ""
+
+
 def service_html(service: Service, ok: bool, live: dict[str, dict]) -> str:
     if not ok:
         return ('<div class="svc bad" role="alert"><span class="dot"></span>'
@@ -105,7 +110,7 @@ class Handlers:
                      "(decodelab engine, or decodelab play); a model may still be loading.")
             yield message_html(error), *[skip] * 4, skip, skip, skip, skip, {"error": error}
             return
-        session = request.session_hash if request is not None else ""
+        session = session_of(request)
         run = Run(self.service, settings, share_prompt=bool(share), client_id=(session or "")[:128])
         run.take_replicas(live)  # their roofs, for the engine-steps panel
         if (previous := self.runs.get(session)) is not None and not previous.finished:
@@ -178,7 +183,7 @@ class Handlers:
                     c.request.params.proposer: c.summary() for c in (cols["speculative"], run.rival)}}
 
     async def stop(self, request: gr.Request):
-        run = self.runs.get(request.session_hash if request is not None else "")
+        run = self.runs.get(session_of(request))
         if run is not None and run.loop is not None and not all(c.finished for c in run.all_columns()):
             run.loop.call_soon_threadsafe(run.stop)
 
@@ -190,7 +195,7 @@ class Handlers:
 
     async def fork(self, cmd: str, request: gr.Request):
         """Branch a column from a token and stream the branch (its column, the KV panel) until it ends."""
-        session = request.session_hash if request is not None else ""
+        session = session_of(request)
         run, skip = self.runs.get(session), gr.skip()
         try:
             c = _command(cmd)
@@ -222,7 +227,7 @@ class Handlers:
 
     async def switch(self, cmd: str, request: gr.Request):
         """Show another branch of a column: its tokens are kept in the session, nothing runs."""
-        run = self.runs.get(request.session_hash if request is not None else "")
+        run = self.runs.get(session_of(request))
         try:
             c = _command(cmd)
             if run is None:
@@ -251,10 +256,10 @@ class Handlers:
         models = sorted({str(r["model"]) for r in live.values() if r.get("model")})
         dropdown = gr.Dropdown(choices=models, value=models[0] if len(models) == 1 else None)
         return (service_html(self.service, ok, live), await self._kv_html(None), dropdown, compare_control(live),
-                proposer_control(live), request.session_hash if request is not None else "")
+                proposer_control(live), session_of(request))
 
     async def unload(self, request: gr.Request):
-        run = self.runs.pop(request.session_hash if request is not None else "", None)
+        run = self.runs.pop(session_of(request), None)
         if run is not None and run.loop is not None and not all(c.finished for c in run.all_columns()):
             run.loop.call_soon_threadsafe(run.stop)
 

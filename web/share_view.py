@@ -16,7 +16,7 @@ import gradio as gr
 from redis.exceptions import RedisError
 
 from web import share
-from web.handlers import Handlers
+from web.handlers import Handlers, session_of
 from web.modes import Settings
 from web.render import message_html
 from web.session import Run
@@ -57,12 +57,9 @@ class ShareHandlers:
     def __init__(self, handlers: Handlers):
         self.h = handlers
 
-    def _session(self, request: gr.Request | None) -> str:
-        return request.session_hash if request is not None else ""
-
     async def save(self, request: gr.Request):
         """Save the session's last run in Redis (link) and as a file (download): (link HTML, download button)."""
-        run = self.h.runs.get(self._session(request))
+        run = self.h.runs.get(session_of(request))
         if run is None or not all(c.finished for c in run.all_columns()):
             note = "Run first, and let it finish." if run is None else "Wait for the run (and its branches) to end."
             return message_html(note), gr.DownloadButton(interactive=False)
@@ -83,7 +80,7 @@ class ShareHandlers:
         run = Run(self.h.service, doc.settings, doc.share_prompt, client_id="")
         share.restore(doc, run)
         run.shared = origin
-        self.h._remember(self._session(request), run)
+        self.h._remember(session_of(request), run)
         return self.h._frame(run, {}, final=True)
 
     async def open_link(self, request: gr.Request):
@@ -114,7 +111,7 @@ class ShareHandlers:
     async def rerun_values(self, request: gr.Request):
         """Re-run live, step one: the shown saved run's settings into the controls, the saved run's link and button
         away (step two is Run itself)."""
-        run = self.h.runs.get(self._session(request))
+        run = self.h.runs.get(session_of(request))
         if run is None or not run.shared:
             return *[gr.skip()] * CONTROLS, gr.skip(), gr.skip()
         _, live = await self.h.service.health()
