@@ -133,14 +133,18 @@ class CKernel:
     """One cpu_*.c library, built and loaded on first use, its functions declared (argtypes) by `declare`."""
 
     def __init__(self, name: str, declare: Callable[[ctypes.CDLL], None], flags: tuple[str, ...] = (),
-                 needs: tuple[str, ...] = ()):
-        self.name, self._declare, self.flags, self.needs = name, declare, flags, needs
+                 needs: tuple[str, ...] = (), probe: Callable[[ctypes.CDLL], str | None] | None = None):
+        """`probe`, if given, runs once on the loaded library: None where it may run in this process, else why not
+        (AMX: the kernel must grant the tiles' state first)."""
+        self.name, self._declare, self.flags, self.needs, self._probe = name, declare, flags, needs, probe
 
     @functools.cached_property
     def _loaded(self) -> tuple[ctypes.CDLL | None, str]:
         lib, why = build(self.name, self.flags, self.needs)
         if lib is not None:
             self._declare(lib)
+            if self._probe is not None and (refused := self._probe(lib)) is not None:
+                return None, refused
         return lib, why
 
     @property

@@ -105,4 +105,4 @@ static const slab_block_fn by_fmt[4][LANE_ROWS + 1] = {LANES_BY_ROWS(0), LANES_B
 SLAB(by_fmt, LANE_ROWS)
 
 /* from 5 rows a slab is read once a chunk of up to 4 rows: prefetch the next slab */
-DL_INT8_LINEAR(slab, 32767.0f, 0, LANE_ROWS + 1)
+DL_INT8_LINEAR(slab, 32767.0f, 0, LANE_ROWS + 1, 0)

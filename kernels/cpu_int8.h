@@ -97,8 +97,13 @@ static inline __attribute__((always_inline)) void slab_end16(const int R, __m512
         for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[r * Gp + j]), m, acc[r]);
     }
     for (int r = 0; r < R; r++) {
+        __m512 v = _mm512_mul_ps(acc[r], _mm512_set1_ps(xs[r]));
+        if (nb == 16) {  /* a whole slab: one store (the same additions as the outputs one by one below) */
+            _mm512_storeu_ps(y + r * ldy, bias ? _mm512_add_ps(v, _mm512_loadu_ps(bias)) : v);
+            continue;
+        }
         float out[16];
-        _mm512_storeu_ps(out, _mm512_mul_ps(acc[r], _mm512_set1_ps(xs[r])));
+        _mm512_storeu_ps(out, v);
         for (int64_t o = 0; o < nb; o++) y[r * ldy + o] = bias ? out[o] + bias[o] : out[o];
     }
 }
@@ -120,16 +125,21 @@ typedef void (*group_fn)(const int16_t* xq, const float* xsum, const float* xs, 
    in place; returns 0, or -1 without memory */
 typedef int (*prepare_fn)(int16_t* xq, int64_t M, int64_t Kp);
 
+/* a build's own work in each thread before (begin 1) and after (begin 0) its share of the slabs of one call of M
+   rows (NULL: none): the AMX build's tile configuration */
+typedef void (*around_fn)(int begin, int64_t M);
+
 /* wp: u packed in slabs of 16 outputs, (N + 15) / 16 of 16 * Kp bytes (FMT_NIBBLES: 4-bit codes, 8 * Kp), Kp = K
    rounded up to 32, laid out as the build's blocks read them (kernels/cpu_int8.py `pack_wide`); dp: the steps,
    [(N + 15) / 16][Kp / 32][16]; mp: the offsets, [(N + 15) / 16][Gp][16], Gp = Kp / 32 rounded up to 8 (zeros past
    it) (`pack_wide_scales`); both fp32, or fp16 with FMT_HALF (kernels/cpu_int8.py `Matrix`). `group` gets each slab
    in turn, OpenMP splitting them between threads. Returns 0, or -1 when the int16 copy of x could not be allocated.
    xmax and prepare: the build's activation grid and its pass over the quantized rows. reread: the row count from
-   which the build's blocks read a slab more than once (0: never). */
+   which the build's blocks read a slab more than once (0: never). around: the build's work in each thread around
+   its share. */
 static int int8_linear(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* wp, const void* dp,
                        const void* mp, const float* bias, float* y, int64_t N, int fmt, group_fn group,
-                       float xmax, prepare_fn prepare, int64_t reread) {
+                       float xmax, prepare_fn prepare, int64_t reread, around_fn around) {
     const int64_t width = 16;
     int64_t Kp = (K + 31) / 32 * 32, Gp = (Kp / 32 + 7) / 8 * 8;
     /* 64-byte aligned (rows are 32 * Kp / 16 bytes long): an activation load never straddles two cache lines, which
@@ -155,6 +165,7 @@ static int int8_linear(const float* x, int64_t ldx, int64_t M, int64_t K, const 
             prefetch_lines(xq, M * Kp * 2);
             prefetch_lines(xs, M * (1 + Gp) * (int64_t)sizeof(float));
         }
+        if (around) around(1, M);
 #define DL_SLAB(t) do { int64_t n0 = (t) * width, nb = N - n0 < width ? N - n0 : width; \
             group(xq, xsum, xs, M, Kp, Gp, wp + (t) * group_bytes, (const char*)dp + n0 * (Kp / 32) * esz, \
                   (const char*)mp + n0 * Gp * esz, ahead, bias ? bias + n0 : 0, y + n0, N, nb, fmt); } while (0)
@@ -171,6 +182,7 @@ static int int8_linear(const float* x, int64_t ldx, int64_t M, int64_t K, const 
             for (int64_t t = 0; t < groups; t++) DL_SLAB(t);
         }
 #undef DL_SLAB
+        if (around) around(0, M);
     }
     free(xq); free(xs);
     return 0;
@@ -218,9 +230,9 @@ typedef void (*slab_block_fn)(const int16_t*, const float*, const float*, int64_
     SLAB(by_fmt, 16)
 
 /* the library's one function, `dl_int8_linear` (int8_linear's arguments), over a build's own `slab`, activation
-   grid, preparation and `reread` rows */
-#define DL_INT8_LINEAR(group, xmax, prepare, reread) \
+   grid, preparation, `reread` rows and per-thread work around its share */
+#define DL_INT8_LINEAR(group, xmax, prepare, reread, around) \
     int dl_int8_linear(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* wp, const void* dp, \
                        const void* mp, const float* bias, float* y, int64_t N, int fmt) { \
-        return int8_linear(x, ldx, M, K, wp, dp, mp, bias, y, N, fmt, group, xmax, prepare, reread); \
+        return int8_linear(x, ldx, M, K, wp, dp, mp, bias, y, N, fmt, group, xmax, prepare, reread, around); \
     }

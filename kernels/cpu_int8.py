@@ -24,16 +24,20 @@ codes in integers (vpmaddwd), one fp32 multiply-add per group of 32 and 8 or 16 
 from memory once per call; the weights are packed at load time (`pack_wide`) so that a register holds 16 (AVX2: 8)
 outputs, one a lane, and each slab of 16 outputs is one sequential stream (docs/kernels.md has the measurements).
 
-Which build runs (`default_isa()`): the VNNI one where the CPU has avx512f, avx512bw and avx512_vnni and it builds,
-else the AVX-512 one where it has the first two, else the AVX2 one; DECODELAB_CPU_ISA=avx2 forces the AVX2 build on
-any CPU (int8_linear's DECODELAB_INT8_KERNEL=avx512 or =avx512vnni insists on one of the others). All three pack
+Which build runs (`default_isa()`): the AMX one ("amx": the VNNI source with -DDL_AMX, its blocks of 16 rows through
+AMX-INT8's tiles, the same bits; kernels/cpu_amx.h) where the CPU has amx_tile and amx_int8 too and Linux grants the
+process the tiles' state, else the VNNI one where it has avx512f, avx512bw and avx512_vnni and it builds, else the
+AVX-512 one where it has the first two, else the AVX2 one; DECODELAB_CPU_ISA=avx2 forces the AVX2 build on any CPU
+(int8_linear's DECODELAB_INT8_KERNEL=amx, =avx512vnni or =avx512 insists on one of the others; =avx512vnni is the
+AMX machine's fallback). All three pack
 their weights in slabs of 16 outputs, one a register lane (`pack_wide`: 2 k a lane for vpmaddwd in the AVX2 and
 AVX-512 builds, which share the layout, 4 for the VNNI build's vpdpbusd), so a `Matrix` belongs to one build (or to
 both of the first two). Their blocks take every row, a prompt's and a generated token's alike, batch-invariant; the
 AVX2 and AVX-512 builds carried a second, many-rows matmul for prompt rows until session 33 (rows in the lanes:
 `cpu_int8_rows.h`), when the outputs-in-lanes blocks came to run as fast or faster from 64 rows on.
-"avx512-simde" and "avx512vnni-simde" are the AVX-512 sources compiled against SIMDe's portable intrinsics (Debian's
-libsimde-dev): how the tests check those builds' logic on a CPU without the instructions (16-40x slower than the
+"avx512-simde", "avx512vnni-simde" and "amx-simde" are the AVX-512 sources compiled against SIMDe's portable
+intrinsics (Debian's libsimde-dev; the last with AMX's tiles emulated in plain C): how the tests check those builds'
+logic on a CPU without the instructions (16-40x slower than the
 AVX2 build on Zen 3; never chosen by `default_isa()`).
 
 The first call (`unavailable()` or `linear()`) compiles the source (kernels/_cbuild.py: the system C compiler,
@@ -58,13 +62,25 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dl_int8_linear.restype = ctypes.c_int
 
 
+def _amx_granted(lib: ctypes.CDLL) -> str | None:
+    """None once Linux has granted this process AMX's tile state (arch_prctl), else why not (a kernel before 5.16,
+    or a hypervisor that does not pass AMX through)."""
+    lib.dl_int8_ready.restype = ctypes.c_int
+    return None if lib.dl_int8_ready() == 0 else "Linux refused this process AMX's tile state (arch_prctl)"
+
+
+_VNNI = ("-mavx512f", "-mavx512bw", "-mavx512vnni")
+_AMX = ("-DDL_AMX", "-mamx-tile", "-mamx-int8")
 KERNELS = {
-    "avx512vnni": _cbuild.CKernel("cpu_int8_vnni", _declare, ("-mavx512f", "-mavx512bw", "-mavx512vnni"),
-                                  ("avx512f", "avx512bw", "avx512_vnni")),
+    "amx": _cbuild.CKernel("cpu_int8_vnni", _declare, _VNNI + _AMX,
+                           ("avx512f", "avx512bw", "avx512_vnni", "amx_tile", "amx_int8"), _amx_granted),
+    "avx512vnni": _cbuild.CKernel("cpu_int8_vnni", _declare, _VNNI, ("avx512f", "avx512bw", "avx512_vnni")),
     "avx512": _cbuild.CKernel("cpu_int8_avx512", _declare, ("-mavx512f", "-mavx512bw"), ("avx512f", "avx512bw")),
     "avx2": _cbuild.CKernel("cpu_int8", _declare),
     "avx512-simde": _cbuild.CKernel("cpu_int8_avx512", _declare, ("-DDL_SIMDE", "-Wno-psabi")),
     "avx512vnni-simde": _cbuild.CKernel("cpu_int8_vnni", _declare, ("-DDL_SIMDE", "-Wno-psabi")),
+    "amx-simde": _cbuild.CKernel("cpu_int8_vnni", _declare,
+                                 ("-DDL_SIMDE", "-Wno-psabi", "-DDL_AMX", "-DDL_AMX_EMULATE"), probe=_amx_granted),
 }
 # By source (a build's and its SIMDe twin's): the int16 code of a row's largest |x| (its grid: max |x| / this; the
 # VNNI build splits codes into two int8s).
@@ -72,10 +88,10 @@ ACTIVATION_MAX = {"cpu_int8": 32767, "cpu_int8_avx512": 32767, "cpu_int8_vnni": 
 # By source: the neighbouring k a lane of `pack_wide`'s slabs holds (vpdpbusd's 4 bytes, vpmaddwd's 2 int16).
 LANE_K = {"cpu_int8_vnni": 4, "cpu_int8_avx512": 2, "cpu_int8": 2}
 def default_isa() -> str:
-    """The build a `Matrix` uses unless told: "avx512vnni" where it runs, else "avx512" where that does (while
-    DECODELAB_CPU_ISA allows AVX-512), else "avx2"."""
+    """The build a `Matrix` uses unless told: "amx" where it runs, else "avx512vnni" where that does, else "avx512"
+    (while DECODELAB_CPU_ISA allows AVX-512), else "avx2"."""
     if _cbuild.cpu_isa() not in ("avx2", "generic"):
-        for name in ("avx512vnni", "avx512"):
+        for name in ("amx", "avx512vnni", "avx512"):
             if KERNELS[name].unavailable() is None:
                 return name
     return "avx2"

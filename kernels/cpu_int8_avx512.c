@@ -67,4 +67,4 @@ BLOCK lanes(const int R, const int16_t* x, const float* xsum, const float* xs, i
 
 /* `lanes` compiled for each row count (1 to LANE_ROWS) and each format, and `slab` over them (cpu_int8.h) */
 SLABS_16(lanes)
-DL_INT8_LINEAR(slab, 32767.0f, 0, 0)  /* a slab is read once for up to 16 rows */
+DL_INT8_LINEAR(slab, 32767.0f, 0, 0, 0)  /* a slab is read once for up to 16 rows */

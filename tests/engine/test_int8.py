@@ -29,10 +29,11 @@ AVX2 = cpu_int8.unavailable("avx2")  # None, or why kernels/cpu_int8.c does not 
 needs_avx2 = pytest.mark.skipif(AVX2 is not None, reason=f"no avx2 int8 kernel here: {AVX2}")
 AVX512 = cpu_int8.unavailable("avx512")  # None, or why (the instructions the CPU lacks) cpu_int8_avx512.c does not
 VNNI = cpu_int8.unavailable("avx512vnni")  # the same for cpu_int8_vnni.c
+AMX = cpu_int8.unavailable("amx")  # the same for its AMX build
 SIMDE = cpu_int8.unavailable("avx512-simde")  # the AVX-512 source on SIMDe's portable intrinsics: on any x86 CPU
 # "<build>-simde": the engine with DECODELAB_INT8_KERNEL=<build> as on a CPU that has it, its source on SIMDe (`ours`)
 OURS = [pytest.param("avx2", marks=needs_avx2),
-        *map(cpu_int8_build, ("avx512", "avx512vnni", "avx512-simde", "avx512vnni-simde"))]
+        *map(cpu_int8_build, ("avx512", "avx512vnni", "amx", "avx512-simde", "avx512vnni-simde", "amx-simde"))]
 KERNELS = [pytest.param("fbgemm", marks=needs_fbgemm), *OURS, "dequant"]
 BATCH_INVARIANT = [pytest.param("fbgemm", marks=needs_fbgemm), *OURS]
 # ||int8 - fp32|| / ||fp32|| on random N(0, 1) inputs and weights: 7-bit weights and 8-bit activations (fbgemm)
@@ -121,6 +122,7 @@ def test_kernel_choice_and_its_switch(monkeypatch):
     assert int8_kernel(torch.device("cpu")) == default
     assert default != "avx2" or AVX512 is not None  # the AVX-512 build where the CPU has it
     assert default != "avx512" or VNNI is not None  # the VNNI one where it has that too
+    assert default != "avx512vnni" or AMX is not None  # and the AMX one where it has the tiles
     monkeypatch.setenv("DECODELAB_INT8_KERNEL", "fbgemm")
     if FBGEMM is None:
         assert int8_kernel(torch.device("cpu")) == "fbgemm"
@@ -132,13 +134,13 @@ def test_kernel_choice_and_its_switch(monkeypatch):
     else:
         with pytest.raises(ValueError, match="avx2 does not run here"):
             int8_kernel(torch.device("cpu"))
-    for build, why in (("avx512", AVX512), ("avx512vnni", VNNI)):
+    for build, why in (("avx512", AVX512), ("avx512vnni", VNNI), ("amx", AMX)):
         monkeypatch.setenv("DECODELAB_INT8_KERNEL", build)
         if why is None:
             assert int8_kernel(torch.device("cpu")) == build
         else:
             # names what the CPU lacks (or the generic switch, where a run forced it before the build was tried)
-            with pytest.raises(ValueError, match=f"{build} does not run here.*(avx512|generic)"):
+            with pytest.raises(ValueError, match=f"{build} does not run here.*(avx512|amx|generic)"):
                 int8_kernel(torch.device("cpu"))
     monkeypatch.setenv("DECODELAB_INT8_KERNEL", "int4")
     with pytest.raises(ValueError, match="DECODELAB_INT8_KERNEL"):

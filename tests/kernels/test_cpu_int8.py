@@ -5,8 +5,9 @@ outputs and inner sizes off its 4 x 32 or 16 x 32 grid), the bias, a row alone o
 inf (its build's fall-back: test_cbuild.py); `quantize`, its weight format (GroupedInt8), and the packed layouts.
 
 Each test runs on every build that runs here: "avx2" where the CPU has AVX2, "avx512" where it has AVX-512 F + BW,
-"avx512vnni" where it has AVX512-VNNI too (the skips name what it lacks), and "avx512-simde" and "avx512vnni-simde",
-the AVX-512 sources on SIMDe's portable intrinsics (Debian's libsimde-dev, which `make test` installs), so those
+"avx512vnni" where it has AVX512-VNNI too, "amx" where it has AMX-INT8 as well (the skips name what it lacks), and
+"avx512-simde", "avx512vnni-simde" and "amx-simde", the AVX-512 sources on SIMDe's portable intrinsics (Debian's
+libsimde-dev, which `make test` installs; "amx-simde" with AMX's tiles in plain C, kernels/cpu_amx.h), so those
 builds' logic is checked on every x86 CPU."""
 import pytest
 import torch
@@ -282,16 +283,44 @@ def test_the_avx512_build_gives_the_avx2_builds_bits(isa, nibbles, monkeypatch):
     assert torch.equal(wide(x), narrow(x))
 
 
+@pytest.mark.parametrize("isa", [cpu_int8_build(name) for name in ("amx", "amx-simde")])
+@pytest.mark.parametrize("nibbles", [False, True])
+@pytest.mark.parametrize("half", [False, True])
+@pytest.mark.parametrize("rows", [16, 17, 35, 64])
+def test_the_amx_build_gives_the_vnni_builds_bits(isa, nibbles, half, rows, monkeypatch):
+    vnni = "avx512vnni" if isa == "amx" else "avx512vnni-simde"  # the emulated tiles beside SIMDe's VNNI
+    if (why := cpu_int8.unavailable(vnni)) is not None:
+        pytest.skip(f"the {vnni} build does not run here: {why}")
+    for switch in ("DECODELAB_INT8_NIBBLES", "DECODELAB_INT8_HALF_SCALES"):  # on, also in a run forcing them off
+        monkeypatch.delenv(switch, raising=False)
+    # whole blocks of 16 rows through the tiles and the rest (1, 3 rows) through the VNNI blocks; 40 outputs (slabs
+    # of 16, 16 and 8) over 4 k-groups (a padded last one: k = 100); Q4_1 weights (4-bit codes, split per slab) or
+    # free ones (8-bit codes, the tiles' rows as packed); fp16 steps and offsets as a GGUF's, or fp32
+    n, k = 40, 128 if half or nibbles else 100
+    if nibbles:
+        w = gguf_grid(n, k, 5, "q4_1") if half else q4_grid(n, k, 5)
+    else:
+        w = gguf_grid(n, k, 5, "q8_0") if half else torch.randn(n, k) * 0.05
+    grouped, bias = cpu_int8.quantize(w), torch.randn(n)
+    tiles, ref = cpu_int8.Matrix(grouped, bias, isa), cpu_int8.Matrix(grouped, bias, vnni)
+    assert (tiles.nibbles, tiles.half) == (nibbles, half) and torch.equal(tiles.packed, ref.packed)
+    x = torch.randn(rows, k) * torch.logspace(-2, 2, k)  # every activation bit in play: large and small columns
+    got = tiles(x)
+    assert torch.equal(got, ref(x))
+    assert torch.equal(tiles(x[rows - 16:]), got[rows - 16:])  # a row's bits from a block of other rows too
+
+
 def test_the_build_is_chosen_from_the_cpu_and_decodelab_cpu_isa_narrows_it(monkeypatch):
     monkeypatch.delenv("DECODELAB_CPU_ISA", raising=False)  # the CPU's choice, also in a run forcing a narrower one
-    vnni, wide = cpu_int8.KERNELS["avx512vnni"], cpu_int8.KERNELS["avx512"]
-    assert cpu_int8.default_isa() == ("avx512vnni" if vnni.unavailable() is None
+    amx, vnni, wide = cpu_int8.KERNELS["amx"], cpu_int8.KERNELS["avx512vnni"], cpu_int8.KERNELS["avx512"]
+    assert cpu_int8.default_isa() == ("amx" if amx.unavailable() is None else
+                                      "avx512vnni" if vnni.unavailable() is None
                                       else "avx512" if wide.unavailable() is None else "avx2")
-    for name in ("avx512vnni", "avx512"):
+    for name in ("amx", "avx512vnni", "avx512"):
         why = cpu_int8.KERNELS[name].unavailable()
-        assert why is None or "avx512" in why or "generic" in why  # names what the CPU lacks
+        assert why is None or "avx512" in why or "amx" in why or "generic" in why  # names what the CPU lacks
     # as a CPU with the instructions would: the widest build that runs (SIMDe's in place of the ones missing here)
-    for name in ("avx512", "avx512vnni"):
+    for name in ("avx512", "avx512vnni", "amx"):
         if cpu_int8.unavailable(name) is not None and cpu_int8.unavailable(f"{name}-simde") is None:
             monkeypatch.setitem(cpu_int8.KERNELS, name, cpu_int8.KERNELS[f"{name}-simde"])
             assert cpu_int8.default_isa() == name

@@ -2,11 +2,13 @@
 
 Our kernel's builds and two of PyTorch's; `int8_kernel` picks one:
 
-- "avx512vnni" (x86 CPUs with AVX512-VNNI and a C compiler: the CPU default there), "avx512" (AVX-512 F + BW without
-  VNNI: the default there; DECODELAB_INT8_KERNEL=avx512vnni or =avx512 insists on one) and "avx2" (x86 CPUs with
-  AVX2: the default elsewhere, and DECODELAB_CPU_ISA=avx2 or DECODELAB_INT8_KERNEL=avx2 on any): the three builds of
-  our own kernel (kernels/cpu_int8_vnni.c, cpu_int8_avx512.c and cpu_int8.c, the same weight format and the same
-  integer products, built on first use) for every matmul and the LM head, prompt and generated rows alike, each
+- "amx" (x86 CPUs with AMX-INT8, Intel Xeons since Sapphire Rapids: the CPU default there; the VNNI build with its
+  blocks of 16 rows or more through the tiles, the same bits), "avx512vnni" (x86 CPUs with AVX512-VNNI and a C
+  compiler: the default there, and DECODELAB_INT8_KERNEL=avx512vnni turns AMX off), "avx512" (AVX-512 F + BW
+  without VNNI: the default there; DECODELAB_INT8_KERNEL=amx, =avx512vnni or =avx512 insists on one) and "avx2" (x86
+  CPUs with AVX2: the default elsewhere, and DECODELAB_CPU_ISA=avx2 or DECODELAB_INT8_KERNEL=avx2 on any): the
+  builds of our own kernel (kernels/cpu_int8_vnni.c, cpu_int8_avx512.c and cpu_int8.c, the same weight format and
+  the same integer products, built on first use) for every matmul and the LM head, prompt and generated rows alike, each
   row batch-invariant (outputs in a register's lanes: kernels/cpu_int8.py `pack_wide`). Weights are 8-bit codes in
   groups of 32 along K, each group with its own fp32 step and offset (kernels/cpu_int8.py `GroupedInt8`, `quantize`:
   a group's 256 levels span its own [min, max]; a weight whose codes are all on a 16-level grid, as a Q4_1 GGUF's
@@ -61,8 +63,8 @@ import torch.nn.functional as F
 from kernels import cpu_int8, cpu_layer_ops
 from kernels._cbuild import generic_cpu
 
-KERNELS = ("avx512vnni", "avx512", "avx2", "fbgemm", "dequant")
-OURS = ("avx512vnni", "avx512", "avx2")  # the builds of kernels/cpu_int8 (cpu_int8.KERNELS' names)
+KERNELS = ("amx", "avx512vnni", "avx512", "avx2", "fbgemm", "dequant")
+OURS = ("amx", "avx512vnni", "avx512", "avx2")  # the builds of kernels/cpu_int8 (cpu_int8.KERNELS' names)
 QMAX = {"avx512": 127, "avx2": 127, "fbgemm": 63, "dequant": 127}
 
 # Seen once at load to find each matmul's activation ranges (SmoothQuant calibration): prose, code, numbers.
@@ -130,7 +132,7 @@ def _fbgemm_error() -> str | None:
 
 def int8_kernel(device: torch.device) -> str:
     """Which kernel int8 linears use on `device`: on a CPU our kernel where it builds (cpu_int8.default_isa():
-    "avx512vnni", "avx512" or "avx2"), else "fbgemm" where that runs, else "dequant"; "dequant" on other devices.
+    "amx", "avx512vnni", "avx512" or "avx2"), else "fbgemm" where that runs, else "dequant"; "dequant" on other devices.
     DECODELAB_INT8_KERNEL forces one ("fbgemm": the faster-prefilling mix with 8-bit activations that was the
     default before the grouped weights; tests, A/B runs)."""
     forced = os.environ.get("DECODELAB_INT8_KERNEL", "")
