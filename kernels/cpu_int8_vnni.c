@@ -213,7 +213,6 @@ static void slab_amx(const int16_t* xq, const float* xsum, const float* xs, int6
         }
         if (whole) split_nibbles(g, Kp, scratch), codes = scratch;
     }
-    if (whole) prefetch_lines(g + ahead, 1024);
     for (int64_t i0 = 0; i0 < whole; i0 += AMX_ROWS)
         (fmt & FMT_HALF ? tiles16_f16 : tiles16_f32)(xq + i0 * Kp, xsum + i0 * Gp, xs + i0, Kp, Gp, codes, d, m, bias,
                                                     y + i0 * ldy, ldy, nb);
@@ -227,7 +226,5 @@ int dl_int8_ready(void) { return amx_request(); }
 
 DL_INT8_LINEAR(slab_amx, XMAX, split_rows, 0, amx_around)
 #else
-int dl_int8_ready(void) { return 0; }
-
 DL_INT8_LINEAR(slab, XMAX, split_rows, 0, 0)
 #endif

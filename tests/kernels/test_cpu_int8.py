@@ -294,8 +294,9 @@ def test_the_amx_build_gives_the_vnni_builds_bits(isa, nibbles, half, rows, monk
     for switch in ("DECODELAB_INT8_NIBBLES", "DECODELAB_INT8_HALF_SCALES"):  # on, also in a run forcing them off
         monkeypatch.delenv(switch, raising=False)
     # whole blocks of 16 rows through the tiles and the rest (1, 3 rows) through the VNNI blocks; 40 outputs (slabs
-    # of 16, 16 and 8) over 4 k-groups (a padded last one: k = 100); Q4_1 weights (4-bit codes, split per slab) or
-    # free ones (8-bit codes, the tiles' rows as packed); fp16 steps and offsets as a GGUF's, or fp32
+    # of 16, 16 and 8) over 4 k-groups (free 8-bit weights with fp32 steps: k = 100, a padded last group); Q4_1
+    # weights (4-bit codes, split per slab) or free ones (8-bit codes, the tiles' rows as packed); fp16 steps and
+    # offsets as a GGUF's, or fp32
     n, k = 40, 128 if half or nibbles else 100
     if nibbles:
         w = gguf_grid(n, k, 5, "q4_1") if half else q4_grid(n, k, 5)
