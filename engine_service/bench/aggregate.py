@@ -14,7 +14,9 @@ generated tokens / wall time (first request sent to last stream done); the JSON 
 median, and ours / llama-server's ratios. `ours.replica_steps` reads our replica's own step records back from Redis:
 its median decode step with all streams in it during the bursts (to set beside the in-process step of `bench
 throughput` / `step_profile`: what serving on the same cores costs), the steps' share of the bursts' wall time and
-prefill's share of the steps. Tokens are the server's `usage.completion_tokens`, else the count of text chunks.
+prefill's share of the steps; `ours.single_stream.replica_steps` the same for the single streams (its one-row step
+beside `bench throughput`'s in-process single stream). Tokens are the server's `usage.completion_tokens`, else the
+count of text chunks.
 
 `--order interleaved` (the default): both servers up, idle between their turns, and each run of one taken right
 after the same run of the other (the order flipping every run), so that each pair shares a minute of the machine:
@@ -242,10 +244,11 @@ async def measure(sides: dict[str, tuple[str, str]], args) -> dict[str, dict]:
             await asyncio.gather(*(client.stream(model, p, 4) for p in prompts_for(-1, 2, 8)))
         for r in range(args.runs):
             for label, client, model in turns(r):
+                start = time.time()
                 trace = await client.stream(model, prompts_for(1000 + args.seed + r, 1, args.prompt_words)[0],
                                            args.max_tokens)
                 singles[label].append({"tpot_ms": tpot_s(trace) * 1e3, "tokens": trace.tokens,
-                                       "finish": trace.finish})
+                                       "finish": trace.finish, "window": [start, time.time()]})
                 print(f"{label}: single stream, run {r + 1}: TPOT {singles[label][-1]['tpot_ms']:.2f} ms", flush=True)
         for r in range(args.runs):
             prompts = prompts_for(args.seed + r, args.streams, args.prompt_words)
@@ -390,8 +393,11 @@ def run(args) -> int:
             sides["ours"] = (ours.url, args.model)
         measured = asyncio.run(measure(sides, args)) if sides else {}
         if ours is not None:
+            records = ours.step_records()
             windows = [tuple(b["window"]) for b in measured["ours"]["aggregate"]["runs"]]
-            measured["ours"]["replica_steps"] = replica_steps(ours.step_records(), windows, args.streams)
+            measured["ours"]["replica_steps"] = replica_steps(records, windows, args.streams)
+            windows = [tuple(s["window"]) for s in measured["ours"]["single_stream"]["runs"]]
+            measured["ours"]["single_stream"]["replica_steps"] = replica_steps(records, windows, 1)
     if "llama-server" in measured:
         res["llama_server"] = measured["llama-server"]
     if "llama_server" in res:
@@ -405,6 +411,10 @@ def run(args) -> int:
             print(f"ours, in the replica during the bursts: a {args.streams}-stream decode step "
                   f"{st['decode_step_ms']:.2f} ms (median of {st['decode_steps']}), steps {st['busy_share']:.0%} of "
                   f"the wall, prefill {st['prefill_share']:.0%} of the steps", flush=True)
+        if res["ours"]["single_stream"].get("replica_steps"):
+            st = res["ours"]["single_stream"]["replica_steps"]
+            print(f"ours, in the replica during the single streams: a decode step {st['decode_step_ms']:.2f} ms "
+                  f"(median of {st['decode_steps']}), steps {st['busy_share']:.0%} of the wall", flush=True)
     res["order"] = args.order
     if "llama_server" in res and "ours" in res:
         res["ratios"] = ratios(res["ours"], res["llama_server"])

@@ -56,6 +56,8 @@ def test_the_replicas_own_steps_during_the_bursts_give_its_full_batch_decode_ste
     assert st["busy_share"] == pytest.approx(0.274 / 0.34)
     assert st["prefill_share"] == pytest.approx(200 / 274)
     assert aggregate.replica_steps(records, [(300.0, 301.0)], streams=8) is None  # nothing in the windows
+    single = aggregate.replica_steps(records, [(98.9, 99.1)], streams=1)  # a single stream's window: its steps
+    assert single["decode_step_ms"] == pytest.approx(50.0) and single["decode_steps"] == 1
 
 
 def test_interleaved_runs_pair_up_and_flip_who_goes_first():
