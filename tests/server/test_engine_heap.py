@@ -5,7 +5,7 @@ import sys
 import textwrap
 
 CHILD = textwrap.dedent("""
-    import gc, sys, types
+    import argparse, gc, sys, types
     from prometheus_client import CollectorRegistry
     from engine_service.engine.flags import add_engine_args
     from engine_service.server import engine_cmd
@@ -15,7 +15,7 @@ CHILD = textwrap.dedent("""
     from shared.keys import Keys
 
     url, model, prefix = sys.argv[1:4]
-    parser = engine_cmd.argparse.ArgumentParser()
+    parser = argparse.ArgumentParser()
     add_engine_args(parser)
     engine_cmd.add_service_args(parser)
     args = parser.parse_args(["--model", model, "--redis-url", url, "--num-kv-blocks", "64", "--threads", "1"])
