@@ -2,7 +2,7 @@
    task16, below): one query token per sequence against its cached K/V, read in place through the block table (no
    gather into a padded copy, no mask, no per-layer plan).
 
-   q [B, H, D] fp32 (row stride ldq, heads contiguous); caches [num_blocks, block_size, Hkv, D], fp32 or int8
+   q [B, H, D] fp32 (row stride ldq, heads contiguous); caches [num_blocks, block_size, Hkv, D], fp32, fp16 or int8
    (an int8 cache reads back as value * scale[block, slot, head], kernels/kv_int8.py: the scale of row r at r / D); block_tables [B, *] int32 (row
    stride ldbt); context_lens [B] int32; out [B, H, D] fp32 contiguous.
 
@@ -33,8 +33,12 @@ static int64_t parallel_min(void) {
     return v;
 }
 
-static inline __m256 load8(const void* base, int64_t i, const int I8) {
-    if (I8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)((const int8_t*)base + i))));
+/* a cache's element kind: 0 fp32, 1 int8 (times its row's scale), 2 fp16 */
+static inline int64_t elem_bytes(const int KIND) { return KIND == 1 ? 1 : KIND == 2 ? 2 : 4; }
+
+static inline __m256 load8(const void* base, int64_t i, const int KIND) {
+    if (KIND == 2) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)base + i)));
+    if (KIND == 1) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)((const int8_t*)base + i))));
     return _mm256_loadu_ps((const float*)base + i);
 }
 
@@ -51,8 +55,8 @@ static inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
    alone for one without side effects and drops its calls. */
 static inline __attribute__((always_inline)) void prefetch_chunk(
         const void* kc, const void* vc, const int32_t* table, int64_t c, int64_t ctx, int64_t bs, int64_t hkv,
-        int64_t h, int64_t D, const int I8) {
-    int64_t end = ctx - c < CHUNK ? ctx : c + CHUNK, bytes = I8 ? D : D * 4;
+        int64_t h, int64_t D, const int KIND) {
+    int64_t end = ctx - c < CHUNK ? ctx : c + CHUNK, bytes = D * elem_bytes(KIND);
     for (int64_t pos = c, bi = c / bs, slot = c % bs; pos < end; pos++) {
         int64_t off = ((table[bi] * bs + slot) * hkv + h) * bytes;
         for (int64_t b = 0; b < bytes; b += 64) {
@@ -74,13 +78,13 @@ static inline __attribute__((always_inline)) void prefetch_chunk(
 static inline __attribute__((always_inline)) void chunk_rows(
         const int32_t* table, int64_t c, int64_t ctx, int64_t bs, int64_t hkv, int64_t h, int64_t D, const void* kc,
         const void* vc, const float* ks, const float* vs, int64_t* row, float* fk, float* fv, const int PF,
-        const int I8) {
-    int64_t n = ctx - c < CHUNK ? ctx - c : CHUNK, n16 = (n + 15) & ~15, bytes = I8 ? D : 4 * D;
+        const int KIND) {
+    int64_t n = ctx - c < CHUNK ? ctx - c : CHUNK, n16 = (n + 15) & ~15, bytes = D * elem_bytes(KIND);
     for (int64_t t = 0, bi = c / bs, slot = c % bs; t < n16; t++) {  /* (no division per token) */
         int64_t srow = (table[bi] * bs + slot) * hkv + h;
         row[t] = srow * D;
-        fk[t] = I8 ? ks[srow] : 1.0f;
-        fv[t] = I8 ? vs[srow] : 1.0f;
+        fk[t] = KIND == 1 ? ks[srow] : 1.0f;
+        fv[t] = KIND == 1 ? vs[srow] : 1.0f;
         if (PF && t < n)
             for (int64_t b = 0; b < bytes; b += 64) {
                 _mm_prefetch((const char*)kc + srow * bytes + b, _MM_HINT_T0);
@@ -115,7 +119,7 @@ static inline void end_heads(int64_t G, int64_t D, float (*acc)[MAX_D], const fl
 static inline __attribute__((always_inline)) void task(
         const float* q, int64_t G, int64_t D, const void* kc, const void* vc, const float* ks, const float* vs,
         const int32_t* table, int64_t ctx, int64_t bs, int64_t hkv, int64_t h, float scale, float* out,
-        const int I8) {
+        const int KIND) {
     float qs[MAX_G][MAX_D] __attribute__((aligned(32)));
     float acc[MAX_G][MAX_D] __attribute__((aligned(32)));
     float p[MAX_G][CHUNK] __attribute__((aligned(32)));  /* a chunk's scores, then their weights */
@@ -123,24 +127,24 @@ static inline __attribute__((always_inline)) void task(
     int64_t row[CHUNK];
     float m[MAX_G], l[MAX_G];
     begin_heads(q, G, D, scale, qs, acc, m, l);
-    prefetch_chunk(kc, vc, table, 0, ctx, bs, hkv, h, D, I8);
+    prefetch_chunk(kc, vc, table, 0, ctx, bs, hkv, h, D, KIND);
     for (int64_t c = 0; c < ctx; c += CHUNK) {
         int64_t n = ctx - c < CHUNK ? ctx - c : CHUNK, n8 = (n + 7) & ~7;
-        if (c + CHUNK < ctx) prefetch_chunk(kc, vc, table, c + CHUNK, ctx, bs, hkv, h, D, I8);
-        chunk_rows(table, c, ctx, bs, hkv, h, D, kc, vc, ks, vs, row, fk, fv, 0, I8);
+        if (c + CHUNK < ctx) prefetch_chunk(kc, vc, table, c + CHUNK, ctx, bs, hkv, h, D, KIND);
+        chunk_rows(table, c, ctx, bs, hkv, h, D, kc, vc, ks, vs, row, fk, fv, 0, KIND);
         for (int64_t g = 0; g < G; g++) {  /* scores, 8 tokens at a time: 8 independent FMA chains */
             for (int64_t t = 0; t < n8; t += 8) {
                 __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
                 for (int64_t d = 0; d < D; d += 8) {
                     __m256 qv = _mm256_load_ps(qs[g] + d);
-                    a0 = _mm256_fmadd_ps(qv, load8(kc, row[t] + d, I8), a0);
-                    a1 = _mm256_fmadd_ps(qv, load8(kc, row[t + 1] + d, I8), a1);
-                    a2 = _mm256_fmadd_ps(qv, load8(kc, row[t + 2] + d, I8), a2);
-                    a3 = _mm256_fmadd_ps(qv, load8(kc, row[t + 3] + d, I8), a3);
-                    a4 = _mm256_fmadd_ps(qv, load8(kc, row[t + 4] + d, I8), a4);
-                    a5 = _mm256_fmadd_ps(qv, load8(kc, row[t + 5] + d, I8), a5);
-                    a6 = _mm256_fmadd_ps(qv, load8(kc, row[t + 6] + d, I8), a6);
-                    a7 = _mm256_fmadd_ps(qv, load8(kc, row[t + 7] + d, I8), a7);
+                    a0 = _mm256_fmadd_ps(qv, load8(kc, row[t] + d, KIND), a0);
+                    a1 = _mm256_fmadd_ps(qv, load8(kc, row[t + 1] + d, KIND), a1);
+                    a2 = _mm256_fmadd_ps(qv, load8(kc, row[t + 2] + d, KIND), a2);
+                    a3 = _mm256_fmadd_ps(qv, load8(kc, row[t + 3] + d, KIND), a3);
+                    a4 = _mm256_fmadd_ps(qv, load8(kc, row[t + 4] + d, KIND), a4);
+                    a5 = _mm256_fmadd_ps(qv, load8(kc, row[t + 5] + d, KIND), a5);
+                    a6 = _mm256_fmadd_ps(qv, load8(kc, row[t + 6] + d, KIND), a6);
+                    a7 = _mm256_fmadd_ps(qv, load8(kc, row[t + 7] + d, KIND), a7);
                 }
                 _mm_storeu_ps(p[g] + t, _mm_mul_ps(hsum4(a0, a1, a2, a3), _mm_loadu_ps(fk + t)));
                 _mm_storeu_ps(p[g] + t + 4, _mm_mul_ps(hsum4(a4, a5, a6, a7), _mm_loadu_ps(fk + t + 4)));
@@ -173,7 +177,7 @@ static inline __attribute__((always_inline)) void task(
                 for (int k = 0; k < 8; k++) c[k] = _mm256_load_ps(acc[g] + d + 8 * k);
                 for (int64_t t = 0; t < n; t++) {
                     __m256 pt = _mm256_broadcast_ss(p[g] + t);
-                    for (int k = 0; k < 8; k++) c[k] = _mm256_fmadd_ps(pt, load8(vc, row[t] + d + 8 * k, I8), c[k]);
+                    for (int k = 0; k < 8; k++) c[k] = _mm256_fmadd_ps(pt, load8(vc, row[t] + d + 8 * k, KIND), c[k]);
                 }
                 for (int k = 0; k < 8; k++) _mm256_store_ps(acc[g] + d + 8 * k, c[k]);
             }
@@ -183,10 +187,10 @@ static inline __attribute__((always_inline)) void task(
                 __m256 c2 = w > 16 ? _mm256_load_ps(acc[g] + d + 16) : c0, c3 = w > 24 ? _mm256_load_ps(acc[g] + d + 24) : c0;
                 for (int64_t t = 0; t < n; t++) {
                     __m256 pt = _mm256_broadcast_ss(p[g] + t);
-                    c0 = _mm256_fmadd_ps(pt, load8(vc, row[t] + d, I8), c0);
-                    if (w > 8) c1 = _mm256_fmadd_ps(pt, load8(vc, row[t] + d + 8, I8), c1);
-                    if (w > 16) c2 = _mm256_fmadd_ps(pt, load8(vc, row[t] + d + 16, I8), c2);
-                    if (w > 24) c3 = _mm256_fmadd_ps(pt, load8(vc, row[t] + d + 24, I8), c3);
+                    c0 = _mm256_fmadd_ps(pt, load8(vc, row[t] + d, KIND), c0);
+                    if (w > 8) c1 = _mm256_fmadd_ps(pt, load8(vc, row[t] + d + 8, KIND), c1);
+                    if (w > 16) c2 = _mm256_fmadd_ps(pt, load8(vc, row[t] + d + 16, KIND), c2);
+                    if (w > 24) c3 = _mm256_fmadd_ps(pt, load8(vc, row[t] + d + 24, KIND), c3);
                 }
                 _mm256_store_ps(acc[g] + d, c0);
                 if (w > 8) _mm256_store_ps(acc[g] + d + 8, c1);
@@ -204,8 +208,9 @@ static inline __attribute__((always_inline)) void task(
    as a tree over 16 registers (4 levels of 2 shuffles and an add) into one register of 16 scores, instead of the
    horizontal adds per 4 tokens. The weighted V rows are added for up to 4 query heads at once: a token's V row is
    loaded once for them (up to 4 x 4 accumulators in registers), where the 8-lane task loads it once a head. */
-static inline __m512 load16(const void* base, int64_t i, const int I8) {
-    if (I8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)((const int8_t*)base + i))));
+static inline __m512 load16(const void* base, int64_t i, const int KIND) {
+    if (KIND == 2) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)base + i)));
+    if (KIND == 1) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)((const int8_t*)base + i))));
     return _mm512_loadu_ps((const float*)base + i);
 }
 
@@ -248,13 +253,13 @@ static inline __m512 sum16x16(const __m512 a[16]) {
    registers, each V row loaded once for the GT heads */
 static inline __attribute__((always_inline)) void weighted_v(
         float (*acc)[MAX_D], float (*p)[CHUNK], int64_t g0, const int GT, int64_t d, const int W, const void* vc,
-        const int64_t* row, int64_t n, const int I8) {
+        const int64_t* row, int64_t n, const int KIND) {
     __m512 c[4][4];
     for (int g = 0; g < GT; g++)
         for (int k = 0; k < W; k++) c[g][k] = _mm512_load_ps(acc[g0 + g] + d + 16 * k);
     for (int64_t t = 0; t < n; t++) {
         __m512 v[4];
-        for (int k = 0; k < W; k++) v[k] = load16(vc, row[t] + d + 16 * k, I8);
+        for (int k = 0; k < W; k++) v[k] = load16(vc, row[t] + d + 16 * k, KIND);
         for (int g = 0; g < GT; g++) {
             __m512 pt = _mm512_set1_ps(p[g0 + g][t]);
             for (int k = 0; k < W; k++) c[g][k] = _mm512_fmadd_ps(pt, v[k], c[g][k]);
@@ -266,19 +271,19 @@ static inline __attribute__((always_inline)) void weighted_v(
 
 static inline __attribute__((always_inline)) void weighted_v_heads(
         float (*acc)[MAX_D], float (*p)[CHUNK], int64_t g0, int64_t gt, int64_t d, const int W, const void* vc,
-        const int64_t* row, int64_t n, const int I8) {
+        const int64_t* row, int64_t n, const int KIND) {
     switch (gt) {
-        case 1: weighted_v(acc, p, g0, 1, d, W, vc, row, n, I8); break;
-        case 2: weighted_v(acc, p, g0, 2, d, W, vc, row, n, I8); break;
-        case 3: weighted_v(acc, p, g0, 3, d, W, vc, row, n, I8); break;
-        default: weighted_v(acc, p, g0, 4, d, W, vc, row, n, I8); break;
+        case 1: weighted_v(acc, p, g0, 1, d, W, vc, row, n, KIND); break;
+        case 2: weighted_v(acc, p, g0, 2, d, W, vc, row, n, KIND); break;
+        case 3: weighted_v(acc, p, g0, 3, d, W, vc, row, n, KIND); break;
+        default: weighted_v(acc, p, g0, 4, d, W, vc, row, n, KIND); break;
     }
 }
 
 static inline __attribute__((always_inline)) void task16(
         const float* q, int64_t G, int64_t D, const void* kc, const void* vc, const float* ks, const float* vs,
         const int32_t* table, int64_t ctx, int64_t bs, int64_t hkv, int64_t h, float scale, float* out,
-        const int I8) {
+        const int KIND) {
     float qs[MAX_G][MAX_D] __attribute__((aligned(64)));
     float acc[MAX_G][MAX_D] __attribute__((aligned(64)));
     float p[MAX_G][CHUNK] __attribute__((aligned(64)));  /* a chunk's scores, then their weights */
@@ -286,13 +291,13 @@ static inline __attribute__((always_inline)) void task16(
     int64_t rows[2][CHUNK];  /* this chunk's rows and the next one's */
     float m[MAX_G], l[MAX_G];
     begin_heads(q, G, D, scale, qs, acc, m, l);
-    chunk_rows(table, 0, ctx, bs, hkv, h, D, kc, vc, ks, vs, rows[0], fks[0], fvs[0], 0, I8);
+    chunk_rows(table, 0, ctx, bs, hkv, h, D, kc, vc, ks, vs, rows[0], fks[0], fvs[0], 0, KIND);
     for (int64_t c = 0, i = 0; c < ctx; c += CHUNK, i ^= 1) {
         int64_t n = ctx - c < CHUNK ? ctx - c : CHUNK, n16 = (n + 15) & ~15;
         const int64_t* row = rows[i];
         const float *fk = fks[i], *fv = fvs[i];
         if (c + CHUNK < ctx)
-            chunk_rows(table, c + CHUNK, ctx, bs, hkv, h, D, kc, vc, ks, vs, rows[i ^ 1], fks[i ^ 1], fvs[i ^ 1], 1, I8);
+            chunk_rows(table, c + CHUNK, ctx, bs, hkv, h, D, kc, vc, ks, vs, rows[i ^ 1], fks[i ^ 1], fvs[i ^ 1], 1, KIND);
         for (int64_t g = 0; g < G; g++) {
             for (int64_t t = 0; t < n16; t += 16) {  /* 16 independent FMA chains, one a token */
                 __m512 a[16];
@@ -301,7 +306,7 @@ static inline __attribute__((always_inline)) void task16(
                     __m512 qv = _mm512_load_ps(qs[g] + d);
                     #pragma GCC unroll 16
                     for (int j = 0; j < 16; j++)
-                        a[4 * (j % 4) + j / 4] = _mm512_fmadd_ps(qv, load16(kc, row[t + j] + d, I8), a[4 * (j % 4) + j / 4]);
+                        a[4 * (j % 4) + j / 4] = _mm512_fmadd_ps(qv, load16(kc, row[t + j] + d, KIND), a[4 * (j % 4) + j / 4]);
                 }
                 _mm512_store_ps(p[g] + t, _mm512_mul_ps(sum16x16(a), _mm512_load_ps(fk + t)));
             }
@@ -329,17 +334,18 @@ static inline __attribute__((always_inline)) void task16(
         }
         for (int64_t g0 = 0; g0 < G; g0 += 4) {
             int64_t gt = G - g0 < 4 ? G - g0 : 4, d = 0;
-            for (; d + 64 <= D; d += 64) weighted_v_heads(acc, p, g0, gt, d, 4, vc, row, n, I8);
-            for (; d < D; d += 16) weighted_v_heads(acc, p, g0, gt, d, 1, vc, row, n, I8);
+            for (; d + 64 <= D; d += 64) weighted_v_heads(acc, p, g0, gt, d, 4, vc, row, n, KIND);
+            for (; d < D; d += 16) weighted_v_heads(acc, p, g0, gt, d, 1, vc, row, n, KIND);
         }
     }
     end_heads(G, D, acc, l, out);
 }
 #endif
 
-/* D % 8 == 0, D <= MAX_D, H / Hkv <= MAX_G: checked by the caller */
+/* D % 8 == 0, D <= MAX_D, H / Hkv <= MAX_G: checked by the caller. kv_kind: the caches' elements, 0 fp32, 1 int8
+   (k_scale / v_scale: their rows' scales), 2 fp16 */
 void dl_paged_decode(const float* q, int64_t ldq, int64_t B, int64_t H, int64_t Hkv, int64_t D,
-                     const void* k_cache, const void* v_cache, int is_int8, const float* k_scale, const float* v_scale,
+                     const void* k_cache, const void* v_cache, int kv_kind, const float* k_scale, const float* v_scale,
                      const int32_t* block_tables, int64_t ldbt, const int32_t* context_lens, int64_t bs,
                      float scale, float* out) {
     int64_t G = H / Hkv, work = 0;
@@ -352,21 +358,17 @@ void dl_paged_decode(const float* q, int64_t ldq, int64_t B, int64_t H, int64_t 
         float* op = out + (b * H + h * G) * D;
 #if defined(__AVX512F__)
         if (D % 16 == 0) {
-            if (is_int8)
-                task16(qp, G, D, k_cache, v_cache, k_scale, v_scale, block_tables + b * ldbt, context_lens[b], bs,
-                       Hkv, h, scale, op, 1);
-            else
-                task16(qp, G, D, k_cache, v_cache, k_scale, v_scale, block_tables + b * ldbt, context_lens[b], bs,
-                       Hkv, h, scale, op, 0);
+            const int32_t* t = block_tables + b * ldbt;
+            if (kv_kind == 1) task16(qp, G, D, k_cache, v_cache, k_scale, v_scale, t, context_lens[b], bs, Hkv, h, scale, op, 1);
+            else if (kv_kind == 2) task16(qp, G, D, k_cache, v_cache, 0, 0, t, context_lens[b], bs, Hkv, h, scale, op, 2);
+            else task16(qp, G, D, k_cache, v_cache, 0, 0, t, context_lens[b], bs, Hkv, h, scale, op, 0);
             continue;
         }
 #endif
-        if (is_int8)
-            task(qp, G, D, k_cache, v_cache, k_scale, v_scale, block_tables + b * ldbt, context_lens[b], bs, Hkv, h,
-                 scale, op, 1);
-        else
-            task(qp, G, D, k_cache, v_cache, k_scale, v_scale, block_tables + b * ldbt, context_lens[b], bs, Hkv, h,
-                 scale, op, 0);
+        const int32_t* t = block_tables + b * ldbt;
+        if (kv_kind == 1) task(qp, G, D, k_cache, v_cache, k_scale, v_scale, t, context_lens[b], bs, Hkv, h, scale, op, 1);
+        else if (kv_kind == 2) task(qp, G, D, k_cache, v_cache, 0, 0, t, context_lens[b], bs, Hkv, h, scale, op, 2);
+        else task(qp, G, D, k_cache, v_cache, 0, 0, t, context_lens[b], bs, Hkv, h, scale, op, 0);
     }
 }
 
@@ -378,4 +380,17 @@ void dl_store_kv(const float* k, int64_t ldk, const float* v, int64_t ldv, int64
         memcpy(k_cache + slots[i] * width, k + i * ldk, width * sizeof(float));
         memcpy(v_cache + slots[i] * width, v + i * ldv, width * sizeof(float));
     }
+}
+
+/* The same into fp16 caches: each value rounded to the nearest fp16 (ties to even, as PyTorch's .half()). width is a
+   multiple of 8 (Hkv * D, D % 8 == 0: checked by the caller) */
+void dl_store_kv_f16(const float* k, int64_t ldk, const float* v, int64_t ldv, int64_t n, int64_t width,
+                     const int64_t* slots, uint16_t* k_cache, uint16_t* v_cache) {
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t j = 0; j < width; j += 8) {
+            _mm_storeu_si128((__m128i*)(k_cache + slots[i] * width + j),
+                             _mm256_cvtps_ph(_mm256_loadu_ps(k + i * ldk + j), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            _mm_storeu_si128((__m128i*)(v_cache + slots[i] * width + j),
+                             _mm256_cvtps_ph(_mm256_loadu_ps(v + i * ldv + j), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        }
 }

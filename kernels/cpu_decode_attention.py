@@ -5,7 +5,7 @@ padded copy, SDPA with a length mask, and the reshapes around them: ~0.14 ms a l
 AVX2 target, most of it the ops' own overhead for a few hundred context tokens. The C kernel reads K/V in place
 through the block table, once per KV head for all its query heads (docs/kernels.md has the measurements).
 
-The engine uses it for fp32 queries over fp32 or int8 caches on the CPU when it builds (kernels/_cbuild.py);
+The engine uses it for fp32 queries over fp32, fp16 or int8 caches on the CPU when it builds (kernels/_cbuild.py);
 `unavailable()` says why not, and `supports()` whether a given call fits (head size a multiple of 8 up to 256,
 at most 16 query heads per KV head). Anything else runs the torch path.
 
@@ -24,6 +24,8 @@ import torch
 from kernels import _cbuild
 
 MAX_D, MAX_G = 256, 16  # as in the C source
+# the caches' element kinds, as the C source numbers them
+KV_KINDS = {torch.float32: 0, torch.int8: 1, torch.float16: 2}
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -33,6 +35,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dl_paged_decode.restype = None
     lib.dl_store_kv.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, ptr, ptr]
     lib.dl_store_kv.restype = None
+    lib.dl_store_kv_f16.argtypes = lib.dl_store_kv.argtypes
+    lib.dl_store_kv_f16.restype = None
 
 
 BUILDS = {"avx512": _cbuild.CKernel("cpu_decode_attention", _declare, ("-mavx512f",), ("avx512f",)),
@@ -64,9 +68,10 @@ def enabled() -> bool:
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether paged_decode takes these: fp32 queries on the CPU, an fp32 or int8 cache, and shapes it handles."""
+    """Whether paged_decode takes these: fp32 queries on the CPU, an fp32, fp16 or int8 cache, and shapes it
+    handles."""
     d, h, hkv = q.shape[-1], q.shape[1], k_cache.shape[2]
-    return (q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype in (torch.float32, torch.int8)
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype in KV_KINDS
             and d % 8 == 0 and d <= MAX_D and h % hkv == 0 and h // hkv <= MAX_G)
 
 
@@ -96,7 +101,7 @@ class DecodeTables:
             bt, ldbt, lens = self._tables
             self._lib.dl_paged_decode(
                 q.data_ptr(), q.stride(0), b, h, k_cache.shape[2], d, k_cache.data_ptr(), v_cache.data_ptr(),
-                int(quant), k_scale.data_ptr() if quant else None, v_scale.data_ptr() if quant else None,
+                KV_KINDS[k_cache.dtype], k_scale.data_ptr() if quant else None, v_scale.data_ptr() if quant else None,
                 bt, ldbt, lens, k_cache.shape[1], scale, out.data_ptr())
         return out
 
@@ -121,9 +126,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slots: torch.Tensor) -> None:
-    """kernels.store_kvcache_torch for fp32 caches (contiguous) and valid slots (int64, contiguous, no -1): k, v
-    [N, Hkv, D] fp32, each token's Hkv x D values contiguous (a view of the fused projection is fine)."""
+    """kernels.store_kvcache_torch for fp32 or fp16 caches (contiguous) and valid slots (int64, contiguous, no -1):
+    k, v [N, Hkv, D] fp32, each token's Hkv x D values contiguous (a view of the fused projection is fine); an fp16
+    cache takes each value rounded to nearest, as .half() does."""
     n, hkv, d = k.shape
     if n:
-        kernel().lib.dl_store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), n, hkv * d, slots.data_ptr(),
+        store = kernel().lib.dl_store_kv_f16 if k_cache.dtype == torch.float16 else kernel().lib.dl_store_kv
+        store(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), n, hkv * d, slots.data_ptr(),
                                k_cache.data_ptr(), v_cache.data_ptr())

@@ -1,6 +1,7 @@
 """kernels/cpu_decode_attention.c, our paged decode attention (an AVX2 build and an AVX-512 one), against plainly
 written float64 attention over the same paged cache: block sizes, head sizes and query groups off its grids,
-contexts across its 64-token chunks, an int8 cache against its dequantized values, a sequence alone or in any batch;
+contexts across its 64-token chunks, an int8 cache against its dequantized values, an fp16 cache against its values,
+a sequence alone or in any batch;
 each build where the CPU runs it; and the engine's choice of build (their fall-back: test_cbuild.py)."""
 import pytest
 import torch
@@ -69,6 +70,22 @@ def test_an_int8_cache_reads_as_its_dequantized_values(block_size):
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("block_size,d", [(16, 64), (8, 24), (32, 128)])  # d 24: the 8-lane code in either build
+def test_an_fp16_cache_reads_as_its_values_and_each_sequence_is_batch_invariant(block_size, d):
+    lens = [1, 37, 64, 65, 150, 300]
+    cache = make_paged_cache(lens, block_size, 3, d, seed=d)
+    kc, vc = cache.k_cache.half(), cache.v_cache.half()
+    q = torch.randn(len(lens), 9, d, generator=torch.Generator().manual_seed(d))
+    scale = d ** -0.5
+    got = cpu_decode_attention.paged_decode(q, kc, vc, cache.block_tables, cache.context_lens, scale)
+    want = reference(q, kc.double(), vc.double(), cache, scale)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    for s in range(len(lens)):
+        alone = cpu_decode_attention.paged_decode(q[s:s + 1], kc, vc, cache.block_tables[s:s + 1],
+                                                  cache.context_lens[s:s + 1], scale)
+        assert torch.equal(alone[0], got[s])
+
+
 def test_queries_as_the_engine_passes_them_a_view_of_the_fused_projection():
     cache = make_paged_cache([20, 70], 16, 3, 64)
     qk = torch.randn(2, 12, 64)  # 9 query heads then 3 key heads, as Attention.forward splits them
@@ -85,7 +102,8 @@ def test_supports_says_which_calls_fit():
     assert not cpu_decode_attention.supports(torch.zeros(1, 4, 64, dtype=torch.bfloat16), cache)
     assert not cpu_decode_attention.supports(torch.zeros(1, 4, 60), torch.zeros(2, 16, 2, 60))  # d % 8
     assert not cpu_decode_attention.supports(torch.zeros(1, 34, 64), cache)  # 17 query heads per KV head
-    assert not cpu_decode_attention.supports(torch.zeros(1, 4, 64), cache.half())
+    assert cpu_decode_attention.supports(torch.zeros(1, 4, 64), cache.half())
+    assert not cpu_decode_attention.supports(torch.zeros(1, 4, 64), cache.bfloat16())
 
 
 def test_store_kv_writes_what_the_torch_store_writes():
@@ -99,6 +117,23 @@ def test_store_kv_writes_what_the_torch_store_writes():
     store_kvcache_torch(k, v, want_k, want_v, slots)
     cpu_decode_attention.store_kv(k, v, cache.k_cache, cache.v_cache, slots)
     assert torch.equal(cache.k_cache, want_k) and torch.equal(cache.v_cache, want_v)
+
+
+def test_store_kv_into_an_fp16_cache_rounds_as_torch_does():
+    """Round to nearest, ties to even, as .half(): ties and values past fp16's range included."""
+    from kernels import store_kvcache_torch
+
+    cache = make_paged_cache([40], 16, 3, 64, spare_blocks=4)
+    kc, vc = cache.k_cache.half(), cache.v_cache.half()
+    qkv = torch.randn(5, 15 * 64) * 3
+    qkv[0, 9 * 64:9 * 64 + 4] = torch.tensor([1 + 2 ** -11, 1 + 3 * 2 ** -11, 70000.0, -1e-8])  # two ties, overflow
+    k, v = qkv[:, 9 * 64:12 * 64].view(5, 3, 64), qkv[:, 12 * 64:].view(5, 3, 64)
+    slots = torch.tensor([3, 70, 71, 16, 100])
+    want_k, want_v = kc.clone(), vc.clone()
+    store_kvcache_torch(k, v, want_k, want_v, slots)
+    cpu_decode_attention.store_kv(k, v, kc, vc, slots)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    assert kc.view(-1, 3, 64)[3, 0, 0] == 1.0 and kc.view(-1, 3, 64)[3, 0, 2] == float("inf")
 
 
 def test_the_build_follows_the_cpu_and_decodelab_cpu_isa(build, monkeypatch):
