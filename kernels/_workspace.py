@@ -23,10 +23,11 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, name: str) -> to
 
 def gather_dequant(cache: torch.Tensor, scale: torch.Tensor | None, block_ids: torch.Tensor, name: str,
                    dtype: torch.dtype) -> torch.Tensor:
-    # gather_blocks, then for an int8 cache (kv_int8.py) times scale[block, slot, head] into a reused `dtype` buffer
+    # gather_blocks, then for an int8 cache (kv_int8.py) times scale[block, slot, head] into a reused `dtype` buffer;
+    # a float cache of another dtype (fp16 under fp32 queries) is converted
     blocks = gather_blocks(cache, block_ids, name)
     if scale is None:
-        return blocks
+        return blocks if blocks.dtype == dtype else blocks.to(dtype)
     buffers: dict[tuple, torch.Tensor] = _local.__dict__["buffers"]
     n = block_ids.numel()
     key = (name + "_dq", dtype, cache.device, cache.shape[1:], torch.is_inference_mode_enabled())

@@ -17,9 +17,9 @@ typedef void (*rope_fn)(float* x, int64_t ldx, int64_t M, int64_t heads, int64_t
                         const float* ssin);
 typedef void (*silu_mul_fn)(const float* gu, int64_t ldg, int64_t M, int64_t I, float* y);
 typedef void (*store_kv_fn)(const float* k, int64_t ldk, const float* v, int64_t ldv, int64_t n, int64_t width,
-                            const int64_t* slots, float* k_cache, float* v_cache);
+                            const int64_t* slots, void* k_cache, void* v_cache);
 typedef void (*paged_decode_fn)(const float* q, int64_t ldq, int64_t B, int64_t H, int64_t Hkv, int64_t D,
-                                const void* k_cache, const void* v_cache, int is_int8, const float* k_scale,
+                                const void* k_cache, const void* v_cache, int kv_kind, const float* k_scale,
                                 const float* v_scale, const int32_t* block_tables, int64_t ldbt,
                                 const int32_t* context_lens, int64_t bs, float scale, float* out);
 
@@ -39,13 +39,15 @@ typedef struct {
     const float* input_norm;
     const float* post_norm;
     dl_matrix qkv, o, gate_up, down;
-    float* k_cache;
-    float* v_cache;
+    void* k_cache;
+    void* v_cache;
 } dl_layer;
 
 typedef struct {
     int64_t layers, hidden, heads, kv_heads, head_dim, intermediate, block_size;
     float eps, scale;
+    int64_t kv_kind;  /* the caches' elements, as cpu_decode_attention.c numbers them: 0 fp32, 2 fp16 (store_kv
+                         is the store for that kind) */
 } dl_shape;
 
 /* x [M, hidden] (contiguous) through every layer in place. cos / ssin [M, head_dim] (RoPE's tables at the rows'
@@ -69,7 +71,7 @@ int dl_decode_layers(const dl_ops* ops, const dl_shape* s, const dl_layer* layer
         err |= LINEAR(h, H, H, L->qkv, qkv, NQKV);
         ops->rope(qkv, NQKV, M, s->heads + s->kv_heads, D, cos, ssin);
         ops->store_kv(qkv + Q, NQKV, qkv + Q + KV, NQKV, M, KV, slots, L->k_cache, L->v_cache);
-        ops->paged_decode(qkv, NQKV, M, s->heads, s->kv_heads, D, L->k_cache, L->v_cache, 0, 0, 0, block_tables,
+        ops->paged_decode(qkv, NQKV, M, s->heads, s->kv_heads, D, L->k_cache, L->v_cache, (int)s->kv_kind, 0, 0, block_tables,
                           ldbt, context_lens, s->block_size, s->scale, att);
         err |= LINEAR(att, Q, Q, L->o, o, H);
         ops->rms_norm(x, H, o, sum, L->post_norm, h, M, H, s->eps);  /* sum = x + o; h = its norm */

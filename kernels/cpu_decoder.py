@@ -31,7 +31,7 @@ class Layer(ctypes.Structure):
 class Shape(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in ("layers", "hidden", "heads", "kv_heads", "head_dim",
                                                     "intermediate", "block_size")] + [
-        ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("kv_kind", ctypes.c_int64)]
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -52,15 +52,15 @@ def unavailable() -> str | None:
     return None
 
 
-def ops(int8: _cbuild.CKernel) -> Ops:
+def ops(int8: _cbuild.CKernel, fp16_cache: bool = False) -> Ops:
     """The six functions the layers call, from the libraries the module path uses (`int8`: the cpu_int8 build the
-    model's matrices are packed for)."""
+    model's matrices are packed for; `fp16_cache`: the KV store into fp16 caches)."""
     def address(kernel: _cbuild.CKernel, name: str) -> int:
         return ctypes.cast(getattr(kernel.lib, name), _p).value
 
     return Ops(address(int8, "dl_int8_linear"), address(cpu_layer_ops.KERNEL, "dl_rms_norm"),
                address(cpu_layer_ops.KERNEL, "dl_rope"), address(cpu_layer_ops.KERNEL, "dl_silu_mul"),
-               address(cpu_decode_attention.kernel(), "dl_store_kv"),
+               address(cpu_decode_attention.kernel(), "dl_store_kv_f16" if fp16_cache else "dl_store_kv"),
                address(cpu_decode_attention.kernel(), "dl_paged_decode"))
 
 

@@ -1,8 +1,9 @@
 """`decodelab bench quality`: what the approximate modes cost in quality, against the full-precision engine.
 
 Variants (one engine each, built in turn from the same engine options): the baseline (the dtype as given,
-float32 on CPU), int8 weights (`quantization="int8"`, models/int8_linear.py), an int8 KV cache
-(`kv_cache_dtype="int8"`, skipped with the reason when this tree's EngineConfig has no such field) and both.
+float32 on CPU), int8 weights (`quantization="int8"`, models/int8_linear.py; over the KV cache's default there, fp16
+on a CPU, and over a cache in the model's dtype), an fp16 KV cache, an int8 KV cache (`kv_cache_dtype="int8"`,
+skipped with the reason when this tree's EngineConfig has no such field) and int8 weights over it.
 
 - Held-out text (`held_out_text`): English prose that ships with every Python, the Language Reference
   topics of `pydoc_data.topics` (a fixed list, paragraphs re-flowed), not the int8 calibration text;
@@ -198,7 +199,11 @@ def divergence_summary(first: list[int], new_tokens: int) -> dict:
 
 def variants(base_dtype: str) -> list[Variant]:
     base = SHORT_DTYPE.get(base_dtype, base_dtype)
-    return [Variant(base), Variant("int8_weights", quantization="int8"), Variant("int8_kv", kv_cache_dtype="int8"),
+    # int8_weights: as `play` runs them (with the KV cache's default there, fp16 on a CPU: EngineConfig), and the
+    # two parts apart: the int8 weights over a cache of the model's dtype, an fp16 cache under the float weights
+    return [Variant(base), Variant("int8_weights", quantization="int8"),
+            Variant("int8_weights_model_dtype_kv", quantization="int8", kv_cache_dtype="model"),
+            Variant("fp16_kv", kv_cache_dtype="fp16"), Variant("int8_kv", kv_cache_dtype="int8"),
             Variant("int8_weights_int8_kv", quantization="int8", kv_cache_dtype="int8")]
 
 
@@ -210,7 +215,12 @@ def variant_config(base: EngineConfig, v: Variant) -> EngineConfig | str:
             return ("kv_cache_dtype: EngineConfig has no such field in this tree (the INT8 KV cache is not in yet); "
                     "row skipped")
         return replace(base, quantization=v.quantization)
-    return replace(base, quantization=v.quantization, kv_cache_dtype=v.kv_cache_dtype or kv_field.default)
+    kv = v.kv_cache_dtype or kv_field.default
+    if kv == "model":  # the cache in the model's own dtype, whatever the default under these weights
+        if base.dtype != "float32":
+            return f"kv_cache_dtype: the model's dtype is {base.dtype}, the cache {base.dtype} already; row skipped"
+        kv = "fp32"
+    return replace(base, quantization=v.quantization, kv_cache_dtype=kv)
 
 
 def measure(base: EngineConfig, text: HeldOutText, text_tokens: int = 4096, chunk_tokens: int | None = None,
@@ -248,7 +258,8 @@ def measure(base: EngineConfig, text: HeldOutText, text_tokens: int = 4096, chun
             res["texts"] = {n: {"sha256": hashlib.sha256((DATA / n).read_bytes()).hexdigest(), "tokens": len(t)}
                             for n, t in texts.items()}
             res["pairs"] = [{"prompt": p, "continuation": c} for p, c in PAIRS]
-        row = {"quantization": v.quantization, "kv_cache_dtype": v.kv_cache_dtype, **engine_perplexity(llm, pieces)}
+        row = {"quantization": v.quantization, "kv_cache_dtype": llm.engine.config.kv_cache_dtype,
+               **engine_perplexity(llm, pieces)}
         continuations = greedy_continuations(llm, prompts, new_tokens)
         scores, logliks = text_scores(llm, texts), continuation_logliks(llm, pairs)
         row["pair_logliks"] = logliks

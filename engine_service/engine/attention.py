@@ -170,7 +170,8 @@ class PagedAttention:
     def _use_cpu_store(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor) -> bool:
         if self._cpu_store is None:
             self._cpu_store = (cpu_decode_attention.enabled() and k.is_cpu and self.k_scale is None
-                               and k_cache.dtype == k.dtype == v.dtype == torch.float32
+                               and k.dtype == v.dtype == torch.float32
+                               and k_cache.dtype in (torch.float32, torch.float16) and k.shape[-1] % 8 == 0
                                and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (k, v)))
         return self._cpu_store
 
@@ -184,7 +185,7 @@ def _store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
            meta: AttentionMetadata, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
            c_store: bool = False) -> None:
     # kernels.store_kvcache_torch with the padding check done once per step (meta.store_slots); c_store: fp32 rows
-    # into an fp32 cache through cpu_decode_attention.store_kv (PagedAttention._use_cpu_store)
+    # into an fp32 or fp16 cache through cpu_decode_attention.store_kv (PagedAttention._use_cpu_store)
     slots, rows = meta.store_slots()
     if rows is not None:
         k, v = k[rows], v[rows]

@@ -68,8 +68,9 @@ ENGINE_FLAGS = (
                negated=True),
     EngineFlag("--threads", "num_threads", "torch CPU threads"),
     EngineFlag("--engine-seed", "seed", "torch's global seed at load"),
-    EngineFlag("--kv-cache-dtype", "kv_cache_dtype", "int8: int8 KV cache with per-block scales (~4x the tokens "
-               "of fp32; approximate)", ("auto", "int8")),
+    EngineFlag("--kv-cache-dtype", "kv_cache_dtype", "auto: the model's dtype, fp16 under int8 weights on a CPU; "
+               "fp16: K/V rounded to fp16 (2x the tokens of fp32, half the reads); int8: int8 K/V with per-token "
+               "scales (~4x the tokens of fp32; approximate)", ("auto", "fp32", "fp16", "int8")),
     EngineFlag("--quantization", "quantization", "int8: int8 weights, activations quantized per step "
                "(faster on CPU, approximate); none: the model's float weights", ("int8", "none")),
 )

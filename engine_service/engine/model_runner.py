@@ -118,7 +118,8 @@ class ModelRunner:
 
     @property
     def kv_dtype(self) -> torch.dtype:
-        return torch.int8 if self.config.kv_cache_dtype == "int8" else self.dtype
+        kinds = {"int8": torch.int8, "fp16": torch.float16, "fp32": torch.float32}
+        return kinds.get(self.config.kv_cache_dtype, self.dtype)
 
     def _blocks_from_budget(self) -> int:
         budget = self.config.kv_cache_memory

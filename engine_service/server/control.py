@@ -33,7 +33,8 @@ class ReplicaInfo(BaseModel):
 
 def precision(config) -> str:
     weights = "int8 weights" if config.quantization == "int8" else config.dtype
-    return weights + (", int8 KV" if config.kv_cache_dtype == "int8" else "")
+    kv = {"int8": ", int8 KV", "fp16": ", fp16 KV"}.get(config.kv_cache_dtype, "")
+    return weights + kv
 
 
 class Control:

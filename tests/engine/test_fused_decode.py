@@ -1,7 +1,9 @@
 """The one-call decoder stack for CPU decode steps (engine_service/engine/models/fused_decode.py): the tokens and
 log-probs it gives are bit for bit the module path's (greedy, beam, sampling and speculative rows, Llama and Qwen2
-with q/k/v biases), it runs every decode step it can take, and anything it cannot take runs the module path."""
+with q/k/v biases, fp16 and fp32 KV caches), it runs every decode step it can take, and anything it cannot take runs
+the module path."""
 import pytest
+import torch
 
 from engine_service import LLM, SamplingParams
 from engine_service.engine.models.fused_decode import FusedDecode, kernels_missing
@@ -26,17 +28,18 @@ def outputs(llm: LLM, prompts: list[list[int]]) -> list:
             for r in llm.generate(requests, params)]
 
 
+@pytest.mark.parametrize("kv", ["auto", "fp32"])  # auto: fp16 under int8 weights on a CPU (EngineConfig)
 @pytest.mark.parametrize("build", ["avx2", cpu_int8_build("avx512-simde"), cpu_int8_build("avx512vnni-simde")])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_fused_steps_give_the_module_paths_bits(arch, build, tiny_llama_dir, tiny_qwen2_dir, monkeypatch):
+def test_fused_steps_give_the_module_paths_bits(arch, build, kv, tiny_llama_dir, tiny_qwen2_dir, monkeypatch):
     # <build>-simde: an AVX-512 build's source on SIMDe, where a CPU with those instructions has its own build
     if build.endswith("-simde"):
         monkeypatch.setitem(cpu_int8.KERNELS, build.removesuffix("-simde"), cpu_int8.KERNELS[build])
     monkeypatch.setenv("DECODELAB_INT8_KERNEL", build.removesuffix("-simde"))
     model_dir = tiny_llama_dir if arch == "llama" else tiny_qwen2_dir
     prompts = [random_prompt(9, seed=s) * 2 for s in range(3)]  # repeats give the n-gram proposer drafts
-    fused_llm, module_llm = LLM(model=str(model_dir), quantization="int8"), LLM(model=str(model_dir),
-                                                                                 quantization="int8")
+    fused_llm, module_llm = (LLM(model=str(model_dir), quantization="int8", kv_cache_dtype=kv) for _ in range(2))
+    assert fused_llm.engine.runner.kv_cache.dtype == (torch.float16 if kv == "auto" else torch.float32)
     module_llm.engine.runner.model.fused_decode = False  # never tried: the module path for every step
     assert module_llm.engine.runner.model.layers[0].mlp.down_proj.int8.matrix.kernel is cpu_int8.KERNELS[build]
     runs = []

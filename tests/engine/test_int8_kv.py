@@ -1,6 +1,7 @@
 """INT8 KV cache in the engine (`kv_cache_dtype="int8"`, kernels/kv_int8.py): ~4x the blocks of fp32 in
-the same budget, scales copied with their blocks on copy-on-write, prefix caching unchanged, the Triton
-backend equal to torch, and greedy SmolLM2 close to fp32 (approximate: agreement, not token-exactness)."""
+the same budget (an fp16 cache's 2x beside it), scales copied with their blocks on copy-on-write (forks checked on
+an fp16 cache too), prefix caching unchanged, the Triton backend equal to torch, and greedy SmolLM2 close to fp32
+(approximate: agreement, not token-exactness)."""
 import os
 import subprocess
 import sys
@@ -24,17 +25,18 @@ def test_kv_cache_dtype_is_checked():
         EngineConfig(kv_cache_dtype="fp8")
 
 
-def test_an_int8_pool_holds_about_four_times_the_blocks_of_fp32(tiny_llama_dir):
+def test_int8_and_fp16_pools_hold_about_four_and_two_times_the_blocks_of_fp32(tiny_llama_dir):
     blocks = {}
-    for kv_dtype in ("auto", "int8"):
+    for kv_dtype in ("auto", "int8", "fp16"):
         runner = LLM(str(tiny_llama_dir), kv_cache_dtype=kv_dtype, kv_cache_memory=1 << 20,
                      max_num_seqs=256).engine.runner
         blocks[kv_dtype] = runner.num_blocks
-        assert runner.kv_cache.dtype == (torch.int8 if kv_dtype == "int8" else torch.float32)
+        assert runner.kv_cache.dtype == {"int8": torch.int8, "fp16": torch.float16}.get(kv_dtype, torch.float32)
         pool_bytes = runner.kv_cache.nbytes + (0 if runner.kv_scales is None else runner.kv_scales.nbytes)
         assert pool_bytes == runner.num_blocks * runner.kv_bytes_per_block() <= 1 << 20  # scales counted
     # tiny model: head_dim 16, so a (token, head) is 16 int8 bytes + a 4-byte scale: 4 * 16 / 20 (3.76x at D 64)
     assert 3.1 < blocks["int8"] / blocks["auto"] <= 3.2
+    assert blocks["fp16"] in (2 * blocks["auto"], 2 * blocks["auto"] + 1)
 
 
 def test_copy_blocks_copies_the_scales_with_the_block(tiny_llama_dir):
@@ -46,11 +48,12 @@ def test_copy_blocks_copies_the_scales_with_the_block(tiny_llama_dir):
     assert torch.equal(runner.kv_scales[:, :, [5, 6]], runner.kv_scales[:, :, [1, 2]])
 
 
-def test_greedy_n2_forks_copy_on_write_and_equal_n1_under_int8(tiny_qwen2_dir):
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp16"])
+def test_greedy_n2_forks_copy_on_write_and_equal_n1_under_int8_and_fp16(tiny_qwen2_dir, kv_dtype):
     # the prompt's last block (11 tokens, blocks of 8) is shared by both children and copied on write:
     # a copy without its scales would read the destination's stale ones and the children would differ
     prompt = {"prompt_token_ids": random_prompt(11, seed=4)}
-    llm = LLM(str(tiny_qwen2_dir), kv_cache_dtype="int8", block_size=8, num_kv_blocks=64)
+    llm = LLM(str(tiny_qwen2_dir), kv_cache_dtype=kv_dtype, block_size=8, num_kv_blocks=64)
     one = llm.generate(prompt, SamplingParams(max_tokens=8, **GREEDY))[0].outputs[0].token_ids
     params = SamplingParams(mode="sample", n=2, temperature=1.0, top_k=1, seed=0, ignore_eos=True, max_tokens=8)
     out = llm.generate(prompt, params)[0]

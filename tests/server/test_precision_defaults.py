@@ -35,7 +35,8 @@ def test_play_keeps_the_float_weights_on_a_gpu():
 
 @pytest.mark.parametrize("config, shown", [
     (EngineConfig(device="cpu"), "float32"),
-    (EngineConfig(device="cpu", quantization="int8"), "int8 weights"),
+    (EngineConfig(device="cpu", quantization="int8"), "int8 weights, fp16 KV"),  # the cache's default there
+    (EngineConfig(device="cpu", quantization="int8", kv_cache_dtype="fp32"), "int8 weights"),
     (EngineConfig(device="cpu", quantization="int8", kv_cache_dtype="int8"), "int8 weights, int8 KV"),
     (EngineConfig(device="cpu", dtype="bfloat16", kv_cache_dtype="int8"), "bfloat16, int8 KV"),
 ])

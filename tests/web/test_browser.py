@@ -48,7 +48,7 @@ def test_a_run_fills_all_four_columns_the_kv_panel_and_the_summary(smol_stack, p
     web, _, _ = smol_stack
     page.goto(web.url)
     expect(page.locator("#dl-service")).to_contain_text("1 replica", timeout=10_000)
-    expect(page.locator("#dl-service")).to_contain_text("(int8 weights)")  # the precision the replica runs
+    expect(page.locator("#dl-service")).to_contain_text("(int8 weights, fp16 KV)")  # the precision the replica runs
     expect(page.locator("#proposer").get_by_text("draft", exact=True)).to_have_count(0)  # no draft model here
     # the example where speculation shines: the model repeats its context, the n-gram proposer drafts it
     page.locator("#examples").get_by_text("Speculation shines: repeat a text").click()
