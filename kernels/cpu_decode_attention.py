@@ -24,8 +24,9 @@ import torch
 from kernels import _cbuild
 
 MAX_D, MAX_G = 256, 16  # as in the C source
-# the caches' element kinds, as the C source numbers them
+# the caches' element kinds, as the C source numbers them, and the stores into float caches
 KV_KINDS = {torch.float32: 0, torch.int8: 1, torch.float16: 2}
+STORES = {torch.float32: "dl_store_kv", torch.float16: "dl_store_kv_f16"}
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -131,6 +132,6 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     cache takes each value rounded to nearest, as .half() does."""
     n, hkv, d = k.shape
     if n:
-        store = kernel().lib.dl_store_kv_f16 if k_cache.dtype == torch.float16 else kernel().lib.dl_store_kv
-        store(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), n, hkv * d, slots.data_ptr(),
-                               k_cache.data_ptr(), v_cache.data_ptr())
+        store = getattr(kernel().lib, STORES[k_cache.dtype])
+        store(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), n, hkv * d, slots.data_ptr(), k_cache.data_ptr(),
+              v_cache.data_ptr())

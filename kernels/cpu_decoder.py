@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ctypes
 
+import torch
+
 from kernels import _cbuild, cpu_decode_attention, cpu_int8, cpu_layer_ops
 
 _p = ctypes.c_void_p
@@ -52,15 +54,15 @@ def unavailable() -> str | None:
     return None
 
 
-def ops(int8: _cbuild.CKernel, fp16_cache: bool = False) -> Ops:
+def ops(int8: _cbuild.CKernel, cache_dtype: torch.dtype = torch.float32) -> Ops:
     """The six functions the layers call, from the libraries the module path uses (`int8`: the cpu_int8 build the
-    model's matrices are packed for; `fp16_cache`: the KV store into fp16 caches)."""
+    model's matrices are packed for; `cache_dtype`: the KV caches', which picks the store)."""
     def address(kernel: _cbuild.CKernel, name: str) -> int:
         return ctypes.cast(getattr(kernel.lib, name), _p).value
 
     return Ops(address(int8, "dl_int8_linear"), address(cpu_layer_ops.KERNEL, "dl_rms_norm"),
                address(cpu_layer_ops.KERNEL, "dl_rope"), address(cpu_layer_ops.KERNEL, "dl_silu_mul"),
-               address(cpu_decode_attention.kernel(), "dl_store_kv_f16" if fp16_cache else "dl_store_kv"),
+               address(cpu_decode_attention.kernel(), cpu_decode_attention.STORES[cache_dtype]),
                address(cpu_decode_attention.kernel(), "dl_paged_decode"))
 
 

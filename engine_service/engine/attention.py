@@ -171,8 +171,8 @@ class PagedAttention:
         if self._cpu_store is None:
             self._cpu_store = (cpu_decode_attention.enabled() and k.is_cpu and self.k_scale is None
                                and k.dtype == v.dtype == torch.float32
-                               and (k_cache.dtype == torch.float32  # (the fp16 store converts 8 values at a time)
-                                    or k_cache.dtype == torch.float16 and k.shape[-1] % 8 == 0)
+                               and k_cache.dtype in cpu_decode_attention.STORES
+                               and (k_cache.dtype == torch.float32 or k.shape[-1] % 8 == 0)  # (fp16: 8 values a step)
                                and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (k, v)))
         return self._cpu_store
 

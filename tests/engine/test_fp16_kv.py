@@ -7,6 +7,7 @@ import torch
 
 from engine_service import LLM, SamplingParams
 from kernels import cpu_decode_attention
+from tests.engine.test_int8_kv import PARAGRAPH
 from tests.helpers import GREEDY, random_prompt
 
 
@@ -26,11 +27,6 @@ def test_the_c_kernels_and_pytorchs_paths_agree_on_an_fp16_cache(tiny_qwen2_dir,
     for c, t in zip(runs[""], runs["torch"], strict=True):
         assert c.token_ids == t.token_ids
         assert c.cumulative_logprob == pytest.approx(t.cumulative_logprob, abs=1e-4)
-
-
-PARAGRAPH = ("The sky appears blue because of a process called Rayleigh scattering. When sunlight enters the "
-             "atmosphere, it collides with molecules of nitrogen and oxygen, which scatter shorter wavelengths "
-             "more strongly than longer ones. Blue light is scattered in every direction across the sky.")
 
 
 @pytest.mark.slow

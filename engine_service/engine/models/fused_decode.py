@@ -23,10 +23,6 @@ from engine_service.engine.attention import AttentionMetadata
 from engine_service.engine.models.int8_linear import Int8Weight, RowSplitWeight
 from kernels import cpu_decode_attention, cpu_decoder, cpu_layer_ops
 
-# the caches the C stack stores into and attends over, by cpu_decode_attention.c's kinds (an int8 cache's rows are
-# quantized on the module path)
-_CACHE_KINDS = {dt: kind for dt, kind in cpu_decode_attention.KV_KINDS.items() if dt in (torch.float32, torch.float16)}
-
 
 def kernels_missing() -> str | None:
     """Why the one-call stack cannot run on this machine at all (its library, or the C ops it calls), or None."""
@@ -58,9 +54,9 @@ class FusedDecode:
         self.shape = cpu_decoder.Shape(len(layers), model.config.hidden_size, attn.num_heads, attn.num_kv_heads,
                                        attn.head_dim, model.config.intermediate_size, attn.k_cache.shape[1],
                                        first.input_layernorm.eps, attn.attn.scale,
-                                       _CACHE_KINDS[attn.k_cache.dtype])
+                                       cpu_decode_attention.KV_KINDS[attn.k_cache.dtype])
         self.structs = (cpu_decoder.Layer * len(layers))(*layers)
-        self.ops = cpu_decoder.ops(matrices[0][0].kernel, attn.k_cache.dtype == torch.float16)
+        self.ops = cpu_decoder.ops(matrices[0][0].kernel, attn.k_cache.dtype)
         self._keep = matrices  # the Matrix objects whose memory the structs point into
 
     @classmethod
@@ -81,8 +77,9 @@ class FusedDecode:
             if any(m.kernel is not build for m in ms):
                 return None  # one C call, one build of cpu_int8 (each packs for its own blocks)
             if not (attn.attn.torch_backend and attn.attn.k_scale is None and attn.head_dim % 2 == 0
-                    and all(c.dtype in _CACHE_KINDS and c.dtype == caches[0].dtype and c.is_cpu and c.is_contiguous()
-                            for c in caches)
+                    # a float cache the C stack stores into (an int8 cache's rows are quantized on the module path)
+                    and all(c.dtype in cpu_decode_attention.STORES and c.dtype == caches[0].dtype and c.is_cpu
+                            and c.is_contiguous() for c in caches)
                     and cpu_decode_attention.supports(torch.empty(1, attn.num_heads, attn.head_dim), attn.k_cache)):
                 return None
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
