@@ -25,11 +25,14 @@
 #define MAX_G 16
 /* below this many (context token x KV head) pairs a step's attention runs on the calling thread. With
    OMP_WAIT_POLICY=PASSIVE (play's default) the other thread sleeps and waking it (a futex) costs more than the work
-   of a few short contexts (SmolLM2: 3 KV heads x ~100 tokens); otherwise it is spinning at the last barrier and
-   taking half of 8 sequences x ~100 tokens is 0.6x the time (AMD Zen 5, 2 threads) */
+   of a few short contexts (SmolLM2: 3 KV heads x ~100 tokens). Otherwise it is spinning at the last barrier, and
+   even one sequence's 3 tasks of 20-160 tokens take 0.6x the time split between two threads (SmolLM2's 30 layers,
+   0.20 -> 0.12 ms a step at 20-45 tokens, 0.42 -> 0.26 at 30-160: AMD EPYC Zen 3, 2 threads; each layer's K/V
+   comes from memory, the step's weights having gone through the caches since): no bar then, only more than one
+   task (dl_paged_decode) */
 static int64_t parallel_min(void) {
-    static int64_t v = 0;  /* (a race here writes the same value) */
-    if (!v) v = omp_passive() ? 8192 : 1024;
+    static int64_t v = -1;  /* (a race here writes the same value) */
+    if (v < 0) v = omp_passive() ? 8192 : 0;
     return v;
 }
 
@@ -351,7 +354,7 @@ void dl_paged_decode(const float* q, int64_t ldq, int64_t B, int64_t H, int64_t 
     int64_t G = H / Hkv, work = 0;
     for (int64_t b = 0; b < B; b++) work += context_lens[b];
     work *= Hkv;
-    #pragma omp parallel for schedule(dynamic, 1) if (work >= parallel_min())
+    #pragma omp parallel for schedule(dynamic, 1) if (B * Hkv > 1 && work >= parallel_min())
     for (int64_t i = 0; i < B * Hkv; i++) {
         int64_t b = i / Hkv, h = i % Hkv;
         const float* qp = q + b * ldq + h * G * D;

@@ -57,6 +57,25 @@ def test_matches_float64_attention_and_each_sequence_is_batch_invariant(lens, bl
         assert torch.equal(alone[0], got[s])
 
 
+def test_one_sequence_gets_the_same_bits_on_one_thread_or_split_between_two():
+    """With the second thread spinning (no OMP_WAIT_POLICY=PASSIVE) even one sequence's tasks (one a KV head) are
+    split between the threads: each task's arithmetic is its own, so the bits are those of one thread."""
+    cache = make_paged_cache([37], 16, 3, 64, seed=3)  # SmolLM2's shapes, a short context
+    q = torch.randn(1, 9, 64, generator=torch.Generator().manual_seed(3))
+    args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cache.context_lens, 64 ** -0.5)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_decode_attention.paged_decode(*args)
+        torch.set_num_threads(2)
+        two = cpu_decode_attention.paged_decode(*args)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    torch.testing.assert_close(one.double(), reference(q, cache.k_cache, cache.v_cache, cache, 64 ** -0.5),
+                               rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("block_size", [8, 16])
 def test_an_int8_cache_reads_as_its_dequantized_values(block_size):
     cache = make_paged_cache([1, 37, 90, 150], block_size, 2, 64, seed=block_size)
