@@ -41,6 +41,7 @@ class EngineLoop:
         self._kv_last: dict | None = None
         self._kv_sent_at = 0.0
         self._steps_sent = self.engine.num_steps  # a shared engine (tests) may have stepped before this replica
+        self._steps_at = 0.0  # when step records were last handed to the publisher
         self.engine.block_manager.record_events()  # drained after every step into KV events (routers read them)
         state.kv_resync.set()  # the first publication is the whole cache (a shared engine may hold blocks already)
 
@@ -81,7 +82,11 @@ class EngineLoop:
             log.exception("engine step failed")
             self._fail_all("engine_error", f"engine step failed: {type(e).__name__}: {e}")
             return
-        self._queue_steps()
+        # the step records, batched (cfg.steps_interval_s); before a finished request's result, so that a client
+        # holding it finds every step of that request on the stream
+        if (time.monotonic() - self._steps_at >= s.cfg.steps_interval_s or not self.engine.has_unfinished()
+                or any(out.finished for out in outputs)):
+            self._queue_steps()
         # before this step's tokens: a client that saw a token (the playground's first column) finds its prefix
         # published when it routes the next request
         if events := self.engine.block_manager.take_events():
@@ -111,6 +116,7 @@ class EngineLoop:
 
     def _queue_steps(self) -> None:
         """Hand the engine's new step records (engine.step_log) to the publisher, for the playground's roofline."""
+        self._steps_at = time.monotonic()
         log, new = self.engine.step_log, []
         for record in reversed(log):
             if record.step <= self._steps_sent:

@@ -62,6 +62,34 @@ def test_every_step_of_a_request_is_on_the_replicas_stream_in_order(worker, redi
     assert 0 < sync_redis.pttl(keys.steps(name)) <= 600_000  # the stream goes away with its replica
 
 
+def test_records_go_out_in_batches_and_all_of_them_before_the_result(worker, redis_server, keys, sync_redis,
+                                                                      monkeypatch):
+    """At most one batch a steps_interval_s while requests run, the rest when one finishes: a client holding its
+    result finds every step of it already on the stream."""
+    monkeypatch.setattr(worker.state.cfg, "steps_interval_s", 3600.0)
+    key = keys.steps(worker.state.cfg.name)
+    added = lambda: sync_redis.xinfo_stream(key)["entries-added"] if sync_redis.exists(key) else 0  # noqa: E731
+    before = added()
+
+    async def main():
+        r = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+        client = EngineClient(r, keys)
+        sub = await client.submit(_request(24))
+        seen_mid, events = None, []
+        async for ev in client.stream(sub, 30):
+            events.append(ev)
+            if len(events) == 12:  # mid-request: at most the batch that went out first
+                seen_mid = added() - before
+        await client.close()
+        return seen_mid, events[-1]
+
+    seen_mid, done = run(main())
+    assert isinstance(done, DoneEvent)
+    steps = [s for s in run(_all_steps(redis_server, keys, worker.state.cfg.name)) if done.request_id in s.request_ids]
+    assert sum(s.decode_tokens for s in steps) == 23  # every step, none waiting in the publisher
+    assert seen_mid <= 2  # the first batch (the interval had passed) and nothing since
+
+
 def test_the_stream_is_capped(worker, redis_server, keys, sync_redis, monkeypatch):
     monkeypatch.setattr("engine_service.server.publisher.STEPS_MAXLEN", 5)
     # MAXLEN ~ trims whole stream nodes only (100 entries by default): small nodes make it trim within 40 steps
