@@ -48,7 +48,10 @@ class EngineLoop:
     def run(self) -> None:
         s = self.s
         while not s.stop.is_set():
-            for command in self._commands():
+            commands = self._commands()
+            if commands and self.engine.num_steps > self._steps_sent:
+                self._queue_steps()  # a cancelled request's steps before its result, as a finished one's
+            for command in commands:
                 self._apply(command)
             if s.kv_resync.is_set():
                 s.kv_resync.clear()
