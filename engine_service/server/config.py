@@ -28,7 +28,7 @@ class ReplicaConfig:
     stats_interval_s: float = 0.25  # engine.stats() refresh (capacity, /metrics); it walks every KV block
     kv_snapshot_ttl_s: float = 6.0  # the KV snapshot key (playground block map) outlives a stalled replica this long
     steps_ttl_s: float = 600.0  # the step-record stream (playground roofline) outlives its last step this long
-    # step records go out at most this often while requests run (and at once when one finishes or the engine
+    # step records go out at most this often while requests run (and at once before a result or when the engine
     # idles): per step they cost a token ~0.1 ms of the publisher's and Valkey's CPU on the engine's cores
     steps_interval_s: float = 0.05
     # a request picked up this many times (each earlier replica died running it) goes to the dead-letter stream

@@ -27,7 +27,7 @@ from engine_service.server.jobs import (
 )
 from engine_service.server.kv_snapshot import kv_snapshot
 from engine_service.server.state import ReplicaState
-from shared.protocol import DoneEvent, encode
+from shared.protocol import DoneEvent, ErrorEvent, encode
 from shared.routing import routing_name
 
 log = logging.getLogger("decodelab.replica")
@@ -48,10 +48,7 @@ class EngineLoop:
     def run(self) -> None:
         s = self.s
         while not s.stop.is_set():
-            commands = self._commands()
-            if commands and self.engine.num_steps > self._steps_sent:
-                self._queue_steps()  # a cancelled request's steps before its result, as a finished one's
-            for command in commands:
+            for command in self._commands():
                 self._apply(command)
             if s.kv_resync.is_set():
                 s.kv_resync.clear()
@@ -85,10 +82,8 @@ class EngineLoop:
             log.exception("engine step failed")
             self._fail_all("engine_error", f"engine step failed: {type(e).__name__}: {e}")
             return
-        # the step records, batched (cfg.steps_interval_s); before a finished request's result, so that a client
-        # holding it finds every step of that request on the stream
-        if (time.monotonic() - self._steps_at >= s.cfg.steps_interval_s or not self.engine.has_unfinished()
-                or any(out.finished for out in outputs)):
+        # the step records, batched (cfg.steps_interval_s; `_end` sends what is left before a result)
+        if time.monotonic() - self._steps_at >= s.cfg.steps_interval_s or not self.engine.has_unfinished():
             self._queue_steps()
         # before this step's tokens: a client that saw a token (the playground's first column) finds its prefix
         # published when it routes the next request
@@ -106,7 +101,7 @@ class EngineLoop:
             except Exception as e:  # fail this request, keep the others
                 log.exception("output of %s", job.rid)
                 self.engine.abort(job.rid)
-                s.end(job, error_event(job, "engine_error", f"{type(e).__name__}: {e}"))
+                self._end(job, error_event(job, "engine_error", f"{type(e).__name__}: {e}"))
 
     def _snapshot_kv(self) -> None:
         """Queue the KV picture for Redis when it changed (else every 2 s, to keep the key alive)."""
@@ -116,6 +111,12 @@ class EngineLoop:
         if body != self._kv_last or time.monotonic() - self._kv_sent_at > 2.0:
             self._kv_last, self._kv_sent_at = body, time.monotonic()
             s.outbox.put(StoreSnapshot(s.keys.kv(s.cfg.name), encode(snap)))
+
+    def _end(self, job: Job, terminal: DoneEvent | ErrorEvent) -> None:
+        """The job's result (ReplicaState.end), after the step records not yet sent: a client holding a result, of
+        any kind, finds every step of that request on the stream."""
+        self._queue_steps()
+        self.s.end(job, terminal)
 
     def _queue_steps(self) -> None:
         """Hand the engine's new step records (engine.step_log) to the publisher, for the playground's roofline."""
@@ -140,12 +141,12 @@ class EngineLoop:
             s.jobs.pop(job.rid, None)
         elif isinstance(command, Cancel) and job.started:  # (an unstarted job: its Add sees job.cancelled)
             self.engine.abort(job.rid)
-            s.end(job, self._done(job, "cancelled", None))
+            self._end(job, self._done(job, "cancelled", None))
 
     def _add(self, job: Job) -> None:
         s = self.s
         if job.cancelled:
-            s.end(job, self._done(job, "cancelled", []))
+            self._end(job, self._done(job, "cancelled", []))
             return
         try:
             prompt = self._prompt(job)
@@ -155,7 +156,7 @@ class EngineLoop:
             why = None if counted else s.cfg.limits.check_prompt_tokens(
                 len(prompt) if isinstance(prompt, list) else len(self.engine.tokenizer(prompt).input_ids))
             if why:
-                s.end(job, error_event(job, "limit_exceeded", why))
+                self._end(job, error_event(job, "limit_exceeded", why))
                 return
             params = SamplingParams(**job.request.params.model_dump())
             if job.kv is not None:
@@ -166,11 +167,11 @@ class EngineLoop:
             self.engine.add_request(job.rid, prompt, params)
             job.started = True
         except (ValueError, TypeError) as e:
-            s.end(job, error_event(job, "invalid_request", str(e)))
+            self._end(job, error_event(job, "invalid_request", str(e)))
         except Exception as e:  # a bug, not the request's fault: report it, keep serving
             log.exception("add_request %s", job.rid)
             self.engine.abort(job.rid)
-            s.end(job, error_event(job, "engine_error", f"{type(e).__name__}: {e}"))
+            self._end(job, error_event(job, "engine_error", f"{type(e).__name__}: {e}"))
 
     def _import(self, job: Job, prompt: str | list[int]) -> None:
         """A prefill replica's blocks into this engine's prefix cache; what does not fit is computed again."""
@@ -206,12 +207,12 @@ class EngineLoop:
         for job in [j for j in list(self.s.jobs.values()) if j.started and j.request.deadline is not None]:
             if now > job.request.deadline:
                 self.engine.abort(job.rid)
-                self.s.end(job, error_event(job, "deadline_exceeded", "deadline passed during generation"))
+                self._end(job, error_event(job, "deadline_exceeded", "deadline passed during generation"))
 
     def _fail_all(self, code: str, message: str) -> None:
         for job in [j for j in list(self.s.jobs.values()) if j.started]:
             self.engine.abort(job.rid)
-            self.s.end(job, error_event(job, code, message))
+            self._end(job, error_event(job, code, message))
         self.s.engine_error = message
 
     def _on_output(self, job: Job, out, now: float) -> None:
@@ -219,7 +220,7 @@ class EngineLoop:
         job.prompt_tokens = len(out.prompt_token_ids)
         if job.prefill_only:  # its prompt is computed: the blocks and the request go to a decode replica
             if out.error is not None:
-                s.end(job, error_event(job, "engine_error", out.error))
+                self._end(job, error_event(job, "engine_error", out.error))
             elif out.finished:
                 s.hand_over(job, export_prompt_blocks(self.engine, out.prompt_token_ids))
             return
@@ -235,9 +236,9 @@ class EngineLoop:
             s.metrics.itl.observe(now - job.last_token_at)
         job.last_token_at = now
         if out.error is not None:  # the engine ended this request alone (engine/isolation.py)
-            s.end(job, error_event(job, "engine_error", out.error))
+            self._end(job, error_event(job, "engine_error", out.error))
         elif out.finished:
-            s.end(job, self._done(job, out.outputs[0].finish_reason, out.outputs))
+            self._end(job, self._done(job, out.outputs[0].finish_reason, out.outputs))
 
     def _done(self, job: Job, reason: str | None, outputs) -> DoneEvent:
         ev = done_event(job, reason, outputs, self.engine.tokenizer, self.s.cfg.name)
