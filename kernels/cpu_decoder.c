@@ -8,6 +8,7 @@
    engine_service/engine/models/fused_decode.py where its conditions hold. */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 typedef int (*int8_linear_fn)(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* wp, const void* dp,
                               const void* mp, const float* bias, float* y, int64_t N, int fmt);
@@ -82,4 +83,30 @@ int dl_decode_layers(const dl_ops* ops, const dl_shape* s, const dl_layer* layer
     }
     free(buf);
     return err ? -1 : 0;
+}
+
+/* A whole decode step around the layers: the rows' embeddings (ids into the fp32 table embed [vocab, hidden]), RoPE's
+   tables at their positions (cos_table / ssin_table [max_pos, head_dim], the sine signed), every layer
+   (dl_decode_layers), then the final norm into out [M, hidden]: what CausalLM.forward does around the layers, as
+   plain copies and the module path's own norm, without its ~0.15 ms a step of PyTorch calls. Returns 0, -1 when a
+   buffer could not be allocated, -2 for an id or a position out of its table. */
+int dl_decode_step(const dl_ops* ops, const dl_shape* s, const dl_layer* layers, const float* embed, int64_t vocab,
+                   const int64_t* ids, const int64_t* positions, const float* cos_table, const float* ssin_table,
+                   int64_t max_pos, const float* final_norm, float final_eps, float* out, int64_t M,
+                   const int64_t* slots, const int32_t* block_tables, int64_t ldbt, const int32_t* context_lens) {
+    const int64_t H = s->hidden, D = s->head_dim;
+    for (int64_t i = 0; i < M; i++)
+        if (ids[i] < 0 || ids[i] >= vocab || positions[i] < 0 || positions[i] >= max_pos) return -2;
+    float* buf = malloc((size_t)M * (size_t)(H + 2 * D) * sizeof(float));
+    if (!buf) return -1;
+    float *x = buf, *cos = x + M * H, *ssin = cos + M * D;
+    for (int64_t i = 0; i < M; i++) {
+        memcpy(x + i * H, embed + ids[i] * H, (size_t)H * sizeof(float));
+        memcpy(cos + i * D, cos_table + positions[i] * D, (size_t)D * sizeof(float));
+        memcpy(ssin + i * D, ssin_table + positions[i] * D, (size_t)D * sizeof(float));
+    }
+    int err = dl_decode_layers(ops, s, layers, x, M, cos, ssin, slots, block_tables, ldbt, context_lens);
+    if (!err) ops->rms_norm(x, H, 0, x, final_norm, out, M, H, final_eps);
+    free(buf);
+    return err;
 }

@@ -41,6 +41,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dl_decode_layers.argtypes = [ctypes.POINTER(Ops), ctypes.POINTER(Shape), ctypes.POINTER(Layer), _p, i64, _p,
                                      _p, _p, _p, i64, _p]
     lib.dl_decode_layers.restype = ctypes.c_int
+    lib.dl_decode_step.argtypes = [ctypes.POINTER(Ops), ctypes.POINTER(Shape), ctypes.POINTER(Layer), _p, i64, _p, _p,
+                                   _p, _p, i64, _p, ctypes.c_float, _p, i64, _p, _p, i64, _p]
+    lib.dl_decode_step.restype = ctypes.c_int
 
 
 KERNEL = _cbuild.CKernel("cpu_decoder", _declare)

@@ -7,7 +7,7 @@ around the pieces, wrapped on this engine instance for the measurement only:
   linears    every Linear of the decoder and the LM head (compute_logits)
   attention  each layer's paged attention call (KV store + decode / prefill kernels)
   layers     the decoder stack as one C call, where a decode step takes it (models/fused_decode.py): its
-             linears, attention and layer ops are not split further
+             embedding, linears, attention, layer ops and final norm are not split further
   model_rest the forward minus those: embedding, RMSNorms, RoPE, SiLU x up, residual adds
   prepare    the model runner's batch tensors (token ids, positions, slot mapping, block tables)
   sampler    sampling (_sample), speculative verification (_verify) and beam steps (_beam_step), with

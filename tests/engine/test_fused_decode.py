@@ -64,3 +64,17 @@ def test_steps_it_cannot_take_run_the_module_path(tiny_llama_dir, monkeypatch):
     llm = LLM(model=str(tiny_llama_dir), quantization="int8")
     llm.generate(prompt, params)
     assert isinstance(llm.engine.runner.model.fused_decode, FusedDecode) and len(runs) == 3  # not the prefill
+
+
+def test_an_id_or_position_out_of_its_table_raises_as_the_module_path_does(tiny_llama_dir, monkeypatch):
+    monkeypatch.setenv("DECODELAB_INT8_KERNEL", "avx2")
+    llm = LLM(model=str(tiny_llama_dir), quantization="int8")
+    seen = []
+    monkeypatch.setattr(FusedDecode, "run", lambda self, *a, run=FusedDecode.run: seen.append(a) or run(self, *a))
+    llm.generate({"prompt_token_ids": random_prompt(9, seed=1)}, SamplingParams(max_tokens=2, **GREEDY))
+    fused, (ids, positions, meta) = llm.engine.runner.model.fused_decode, seen[0]
+    vocab, max_pos = fused.embed.shape[0], fused.cos_table.shape[0]
+    for bad_ids, bad_positions in ((ids + vocab, positions), (ids - ids - 1, positions), (ids, positions + max_pos)):
+        with pytest.raises(IndexError):  # (torch.embedding and the RoPE table lookup raise IndexError too)
+            fused.run(bad_ids, bad_positions, meta)
+    assert torch.equal(fused.run(ids, positions, meta), fused.run(ids, positions, meta))

@@ -1,9 +1,9 @@
-"""Every decoder layer of a CPU decode step in one C call (kernels/cpu_decoder.c), for int8 models on our kernel.
+"""A CPU decode step's model body in one C call (kernels/cpu_decoder.c), for int8 models on our kernel.
 
 At the few rows of a decode step the module path spends ~5 ms of a SmolLM2 step (2-core AVX2 target) in Python,
-ctypes and PyTorch bookkeeping around its ~10 C calls per layer. `FusedDecode` hands the whole layer stack to one
-C call that makes the same calls into the same libraries, so the numbers are bit for bit the module path's
-(tested). It runs a step when:
+ctypes and PyTorch bookkeeping around its ~10 C calls per layer. `FusedDecode` hands the embedding, the whole layer
+stack and the final norm to one C call that makes the same calls into the same libraries (and copies the same table
+rows), so the numbers are bit for bit the module path's (tested). It runs a step when:
 - the model is on the CPU in fp32 with every decoder matmul on our int8 kernel for generated rows (`--quantization
   int8`, where kernels/cpu_int8.c builds; `RowSplitWeight` or `Int8Weight("avx2" or "avx512")`), all of one build;
 - the C layer ops and decode attention are enabled (not DECODELAB_CPU_KERNELS=torch) and take the model's shapes,
@@ -58,13 +58,22 @@ class FusedDecode:
         self.structs = (cpu_decoder.Layer * len(layers))(*layers)
         self.ops = cpu_decoder.ops(matrices[0][0].kernel, attn.k_cache.dtype)
         self._keep = matrices  # the Matrix objects whose memory the structs point into
+        # what CausalLM.forward reads around the layers: the embedding table, RoPE's tables (the sine signed once
+        # here, as forward signs its rows each step), the final norm
+        self.embed, self.norm = model.embed_tokens.weight, model.norm
+        self.cos_table, self.sin_table = model.cos, model.sin
+        half = model.sin.shape[-1] // 2
+        self.ssin_table = torch.cat([-model.sin[:, :half], model.sin[:, half:]], dim=-1).contiguous()
 
     @classmethod
     def build(cls, model) -> FusedDecode | None:
         """The plan for `model` as it is now (weights quantized, caches bound), or None where it cannot run."""
         if kernels_missing() is not None:
             return None
-        if model.config.model_type not in ("llama", "qwen2") or model.embed_tokens.weight.dtype != torch.float32:
+        if model.config.model_type not in ("llama", "qwen2"):
+            return None
+        tables = (model.embed_tokens.weight, model.cos, model.sin, model.norm.weight)
+        if not all(t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() for t in tables) or model.cos.dim() != 2:
             return None
         layers, matrices = [], []
         for layer in model.layers:
@@ -91,25 +100,35 @@ class FusedDecode:
             matrices.append(tuple(ms))
         return cls(model, layers, matrices)
 
-    def current(self) -> bool:
-        """Whether the caches are still the ones the plan points into (the model runner binds them once)."""
-        return all(a.k_cache is k and a.v_cache is v for a, (k, v) in zip(self.attns, self.caches))
+    def current(self, model) -> bool:
+        """Whether the tensors the plan points into are still the model's (the model runner binds the caches and
+        RoPE's tables once)."""
+        return (model.embed_tokens.weight is self.embed and model.cos is self.cos_table and model.sin is self.sin_table
+                and model.norm is self.norm
+                and all(a.k_cache is k and a.v_cache is v for a, (k, v) in zip(self.attns, self.caches)))
 
     @staticmethod
-    def applies(x: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """Whether this step is one the C call takes: fp32 rows on the CPU, all of them generated decode rows."""
-        m = x.shape[0]
-        return (m > 0 and x.dtype == torch.float32 and x.is_cpu and x.is_contiguous() and meta.num_decode == m
-                and meta.num_generated == m and meta.store_slots()[1] is None)
+    def applies(input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Whether this step is one the C call takes: rows on the CPU, all of them generated decode rows."""
+        m = input_ids.shape[0]
+        return (m > 0 and input_ids.is_cpu and meta.num_decode == m and meta.num_generated == m
+                and meta.store_slots()[1] is None)
 
-    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """x [M, hidden] through every layer (in place; returned). cos / sin as CausalLM.forward makes them."""
-        cos, sin = cos.contiguous(), sin.contiguous()
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The step's final hidden states [M, hidden]: what CausalLM.forward returns for these rows (the embedding,
+        every layer, the final norm), bit for bit."""
+        ids, pos = input_ids.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous()
         slots = meta.store_slots()[0].contiguous()
-        tables = meta.decode_tables()
-        bt, ldbt, lens = tables._tables
-        if cpu_decoder.KERNEL.lib.dl_decode_layers(
-                ctypes.byref(self.ops), ctypes.byref(self.shape), self.structs, x.data_ptr(), x.shape[0],
-                cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), bt, ldbt, lens):
+        bt, ldbt, lens = meta.decode_tables()._tables
+        m, (vocab, hidden) = ids.shape[0], self.embed.shape
+        out = torch.empty(m, hidden)
+        err = cpu_decoder.KERNEL.lib.dl_decode_step(
+            ctypes.byref(self.ops), ctypes.byref(self.shape), self.structs, self.embed.data_ptr(), vocab,
+            ids.data_ptr(), pos.data_ptr(), self.cos_table.data_ptr(), self.ssin_table.data_ptr(),
+            self.cos_table.shape[0], self.norm.weight.data_ptr(), self.norm.eps, out.data_ptr(), m, slots.data_ptr(),
+            bt, ldbt, lens)
+        if err == -2:
+            raise IndexError("cpu_decoder: a token id or position out of its table")
+        if err:
             raise MemoryError("cpu_decoder: no memory for a decode step's activations")
-        return x
+        return out

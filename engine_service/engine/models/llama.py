@@ -190,6 +190,8 @@ class CausalLM(nn.Module):
         self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if (fused := self._fused(input_ids, meta)) is not None:
+            return fused.run(input_ids, positions, meta)  # all of the below in one C call, the same bits
         x = self.embed_tokens(input_ids)
         cos = self.cos[positions].unsqueeze(1).to(x.dtype)
         sin = self.sin[positions].unsqueeze(1).to(x.dtype)
@@ -197,22 +199,18 @@ class CausalLM(nn.Module):
         sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)  # apply_rope's signed sin, once per step
         token = generated_rows.set(meta.num_generated)  # which rows an int8 RowSplitWeight sends where
         try:
-            fused = self._fused(x, meta)
-            if fused is not None:
-                x = fused.run(x, cos, sin, meta)
-            else:
-                for layer in self.layers:
-                    x = layer(x, cos, sin, meta)
+            for layer in self.layers:
+                x = layer(x, cos, sin, meta)
         finally:
             generated_rows.reset(token)
         return self.norm(x)
 
-    def _fused(self, x: torch.Tensor, meta: AttentionMetadata) -> FusedDecode | None:
-        """The one-call layer stack (fused_decode.py) when this step can take it, built on first use; False in
+    def _fused(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> FusedDecode | None:
+        """The one-call decode step (fused_decode.py) when this step can take it, built on first use; False in
         `fused_decode` remembers that the model as it stands cannot (quantize_int8 clears it)."""
-        if self.fused_decode is False or not FusedDecode.applies(x, meta):
+        if self.fused_decode is False or not FusedDecode.applies(input_ids, meta):
             return None
-        if self.fused_decode is None or not self.fused_decode.current():
+        if self.fused_decode is None or not self.fused_decode.current(self):
             self.fused_decode = FusedDecode.build(self) or False
         return self.fused_decode or None
 
