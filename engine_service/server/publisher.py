@@ -7,8 +7,11 @@ from __future__ import annotations
 import json
 import logging
 import queue
+import time
 
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from engine_service.engine.roofline import StepRecord as EngineStep
 from engine_service.server.jobs import (
@@ -28,6 +31,8 @@ from shared.scripts import FINISH, HANDOVER
 
 log = logging.getLogger("decodelab.replica")
 
+IDLE_CHECK_S = 1.0  # a send after a pause this long first checks that the server has not closed the connection
+
 
 def step_json(record: EngineStep) -> str:
     """An engine step record (engine/roofline.py) as the shared schema's JSON: its fields by the schema's names,
@@ -40,6 +45,8 @@ class Publisher:
         self.s = state
         self._finish = state.redis.register_script(FINISH)
         self._handover = state.redis.register_script(HANDOVER)
+        self._conn = None  # the connection `_run` writes on (made on first use, re-made after a failure)
+        self._used_at = 0.0
 
     def _take(self, pending: list[OutboxItem]) -> None:
         """Wait briefly for one item, then take whatever else is queued (up to 512 a pipeline)."""
@@ -54,6 +61,17 @@ class Publisher:
                 return
 
     def run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.disconnect()
+            self._conn = None
+
+    def _loop(self) -> None:
         s = self.s
         pending: list[OutboxItem] = []
         delay = 0.05
@@ -117,26 +135,42 @@ class Publisher:
     def _run(self, cmds: list[tuple]) -> None:
         """Send the commands in one write and read their replies, then empty the list.
 
-        What `pipeline().execute()` does, on one of the client's pooled connections, without the per-command
-        bookkeeping that made redis-py's pipeline ~3x the CPU of the commands themselves (a token's PUBLISH and
-        its step record: ~0.26 -> ~0.08 ms on the 2-core target, a core the engine's threads want). A refused
-        command is logged and the rest still read (the connection stays in step); a broken connection raises
-        (`run` keeps the results and drops the rest).
+        What `pipeline().execute()` does, on the publisher's own connection, without the per-command bookkeeping
+        that made redis-py's pipeline ~3x the CPU of the commands themselves, nor the pool's checks and counters
+        on every borrow (~25 us a token: a token's PUBLISH went ~0.26 -> ~0.08 -> ~0.05 ms on the 2-core target,
+        a core the engine's threads want). A refused command is logged and the rest still read (the connection
+        stays in step); a broken connection is dropped and raises (`run` keeps the results and drops the rest; the
+        next send connects again).
         """
         if not cmds:
             return
-        pool = self.s.redis.connection_pool
-        conn = pool.get_connection()  # (the pool re-opens one the server closed while it sat idle)
+        conn = self._conn
+        if conn is None:
+            pool = self.s.redis.connection_pool
+            conn = self._conn = pool.connection_class(**{**pool.connection_kwargs,
+                                                         "client_name": f"{self.s.cfg.name}:publisher"})
+        elif time.monotonic() - self._used_at > IDLE_CHECK_S:
+            # what the pool checks on every borrow, only after a pause: a connection the server closed while it
+            # sat idle (a `timeout` in its config, a restart) reads as readable; re-made, nothing queued is lost
+            try:
+                stale = conn.can_read()
+            except (RedisConnectionError, RedisTimeoutError, OSError):
+                stale = True
+            if stale:
+                conn.disconnect()
+        self._used_at = time.monotonic()
         try:
-            conn.send_packed_command(conn.pack_commands(cmds))
+            conn.send_packed_command(conn.pack_commands(cmds))  # (connects first when it is not)
             for cmd in cmds:
                 try:
                     conn.read_response()
                 except ResponseError as e:
                     log.error("publish: Redis refused %s: %s", cmd[0], e)
+        except BaseException:
+            conn.disconnect()
+            raise
         finally:
-            pool.release(conn)  # (redis-py disconnected it if it failed: the pool re-opens it)
-        cmds.clear()
+            cmds.clear()
 
     def _hand_over(self, item: HandOver) -> None:
         """The blocks to the connector, then the request to the least loaded decode replica's stream (the shared

@@ -10,6 +10,7 @@ import pytest
 import redis
 
 from engine_service.engine.roofline import StepRecord as EngineStep
+from engine_service.server import publisher as publisher_mod
 from engine_service.server.config import ReplicaConfig
 from engine_service.server.jobs import AppendSteps, Finish, KVEvents, Publish, StoreSnapshot
 from engine_service.server.publisher import Publisher, step_json
@@ -28,7 +29,9 @@ def publisher(redis_server, keys):
     r = redis.Redis.from_url(redis_server.url)
     state = ReplicaState(engine=None, cfg=ReplicaConfig(redis_server.url, keys=keys, name="rep-1"), metrics=None,
                          redis=r, stats=None)
-    yield Publisher(state)
+    publisher = Publisher(state)
+    yield publisher
+    publisher.close()
     r.close()
 
 
@@ -87,12 +90,29 @@ def test_a_refused_command_costs_that_command_only(publisher, listen, sync_redis
     assert "refused XADD" in caplog.text
 
 
-def test_a_connection_the_server_closed_is_replaced(publisher, listen, sync_redis, keys):
+def _publisher_connection(sync_redis) -> int:
+    """The id of the publisher's own connection (it names itself after the replica)."""
+    (conn,) = [c["id"] for c in sync_redis.client_list() if c["name"] == "rep-1:publisher"]
+    return conn
+
+
+def test_a_connection_the_server_closed_is_replaced(publisher, listen, sync_redis, keys, monkeypatch):
+    monkeypatch.setattr(publisher_mod, "IDLE_CHECK_S", 0.0)  # (the check runs after a pause; every send here)
     listen.subscribe(keys.events("r1"))
     listen.get_message(timeout=1)
     publisher._send([Publish("r1", "one")])
-    # the pooled connection dies while idle (a server `timeout`, a proxy): the next send opens another
-    conn_id = publisher.s.redis.client_id()  # (the pool's one connection: the one the publisher used)
-    assert sync_redis.client_kill_filter(_id=conn_id) == 1
+    # its connection dies while idle (a server `timeout`, a proxy): the next send opens another, losing nothing
+    assert sync_redis.client_kill_filter(_id=_publisher_connection(sync_redis)) == 1
     publisher._send([Publish("r1", "two")])
     assert _messages(listen, 2) == ["one", "two"]
+
+
+def test_a_connection_that_breaks_mid_send_raises_and_the_next_send_reconnects(publisher, listen, sync_redis, keys):
+    listen.subscribe(keys.events("r1"))
+    listen.get_message(timeout=1)
+    publisher._send([Publish("r1", "one")])
+    assert sync_redis.client_kill_filter(_id=_publisher_connection(sync_redis)) == 1
+    with pytest.raises(redis.ConnectionError):  # not idle: no check; `run` keeps the results and retries
+        publisher._send([Publish("r1", "lost")])
+    publisher._send([Publish("r1", "three")])
+    assert _messages(listen, 2) == ["one", "three"]
