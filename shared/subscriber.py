@@ -1,11 +1,16 @@
 """One pub/sub connection per process for every request's event channel.
 
 A connection per streaming request (what redis-py's `pubsub()` per call gives) runs the pool dry at ~100
-concurrent streams. Here one reader task owns one PUBSUB connection: `subscribe(channel)` sends SUBSCRIBE on it
-and waits for Redis to confirm (so no event published after that is missed), then events are routed by channel
-into that request's asyncio queue. When the connection breaks, the reader reconnects, subscribes every channel
-again and puts RECONNECTED into each queue: events may have been lost meanwhile, and the stream repairs itself
-from the result key.
+concurrent streams. Here one reader task owns one connection from the client's pool: `subscribe(channel)` sends
+SUBSCRIBE on it and waits for Redis to confirm (so no event published after that is missed), then events are routed
+by channel into that request's asyncio queue, as raw bytes. When the connection breaks, the reader reconnects,
+subscribes every channel again and puts RECONNECTED into each queue: events may have been lost meanwhile, and the
+stream repairs itself from the result key.
+
+redis-py opens the connection (URL, TLS, AUTH, the protocol handshake) and sends the commands; the replies are read
+here, straight off its stream with hiredis: redis-py's own read path (`PubSub.get_message`: its timeout, retry and
+push-handler layers) cost ~100 us of CPU a message against ~50 this way on the 2-core target (a micro-benchmark),
+and every streamed token is one message on a core the engine's threads want.
 """
 from __future__ import annotations
 
@@ -13,6 +18,8 @@ import asyncio
 import logging
 import time
 
+import hiredis
+import redis
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
@@ -20,6 +27,7 @@ from redis.exceptions import RedisError
 log = logging.getLogger("decodelab.subscriber")
 
 RECONNECTED = object()  # queue marker: the connection was re-made; events may be missing
+PING_EVERY_S = 30.0  # a quiet connection says PING this often (what redis-py's health checks did: idle proxies)
 
 
 class Subscriber:
@@ -28,7 +36,12 @@ class Subscriber:
         self.confirm_timeout = confirm_timeout
         self._queues: dict[str, asyncio.Queue] = {}
         self._waiting: dict[str, asyncio.Future] = {}  # channel -> SUBSCRIBE confirmation
-        self._pubsub = None
+        self._conn = None  # the pub/sub connection (a redis-py connection from the client's pool)
+        self._stream: asyncio.StreamReader | None = None  # its bytes, read here
+        self._parser: hiredis.Reader | None = None
+        self._heard = 0.0  # when the connection last brought data
+        self._pinger: asyncio.TimerHandle | None = None  # _keep_alive's next turn
+        self._ping: asyncio.Future | None = None
         self._reader: asyncio.Task | None = None
         self._connected = asyncio.Event()
         self._closed = False
@@ -51,9 +64,9 @@ class Subscriber:
         try:
             self._ensure_reader()
             await asyncio.wait_for(self._connected.wait(), self.confirm_timeout)
-            if (pubsub := self._pubsub) is None:
+            if (conn := self._conn) is None:
                 raise RedisConnectionError("pub/sub connection lost while subscribing")
-            await pubsub.subscribe(channel)
+            await conn.send_command("SUBSCRIBE", channel, check_health=False)  # (a health check would read a reply)
             await asyncio.wait_for(asyncio.shield(confirmed), self.confirm_timeout)
         except BaseException:
             await self.unsubscribe(channel)
@@ -62,10 +75,10 @@ class Subscriber:
 
     async def unsubscribe(self, channel: str) -> None:
         self._waiting.pop(channel, None)
-        if self._queues.pop(channel, None) is None or self._pubsub is None:
+        if self._queues.pop(channel, None) is None or (conn := self._conn) is None:
             return
         try:
-            await self._pubsub.unsubscribe(channel)
+            await conn.send_command("UNSUBSCRIBE", channel, check_health=False)
         except (RedisError, OSError):
             pass  # a broken connection drops its subscriptions; the reconnect subscribes only live channels
 
@@ -74,10 +87,20 @@ class Subscriber:
             self._reader = asyncio.get_running_loop().create_task(self._run(), name="redis-subscriber")
 
     async def _connect(self) -> None:
-        self._pubsub = self.redis.pubsub()
-        await self._pubsub.connect()
-        if self._queues:  # every channel, those still waiting for their confirmation too (a repeat is harmless)
-            await self._pubsub.subscribe(*self._queues)
+        conn = await self.redis.connection_pool.get_connection()
+        try:
+            stream = getattr(conn, "_reader", None)  # (redis-py's asyncio connections have kept it there since 4.2)
+            if not isinstance(stream, asyncio.StreamReader):
+                raise RuntimeError(f"redis-py {redis.__version__}: its asyncio connection has no StreamReader to "
+                                   "read pub/sub replies from (shared/subscriber.py needs updating)")
+            if self._queues:  # every channel, those still waiting for their confirmation too (a repeat is harmless)
+                await conn.send_command("SUBSCRIBE", *self._queues, check_health=False)
+        except BaseException:
+            await self._release(conn)
+            raise
+        self._conn, self._stream, self._parser = conn, stream, hiredis.Reader()
+        self._heard = time.monotonic()
+        self._pinger = asyncio.get_running_loop().call_later(PING_EVERY_S, self._keep_alive)
         self._connected.set()
 
     async def _run(self) -> None:
@@ -86,16 +109,14 @@ class Subscriber:
         delay, first, idle_since = 0.05, True, None
         while not self._closed:
             try:
-                if self._pubsub is None:
+                if self._conn is None:
                     await self._connect()
                     if not first:
                         self.reconnects += 1
                         for queue in list(self._queues.values()):
                             queue.put_nowait(RECONNECTED)
                     first, delay = False, 0.05
-                msg = await self._pubsub.get_message(timeout=0.25)
-                if msg is not None:
-                    self._route(msg)
+                await self._read()
                 if self._queues:
                     idle_since = None
                 elif idle_since is None:
@@ -116,24 +137,71 @@ class Subscriber:
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, 1.0)
 
-    def _route(self, msg: dict) -> None:
-        channel = msg.get("channel")
-        if isinstance(channel, bytes):
-            channel = channel.decode()
-        if msg["type"] == "subscribe":
+    async def _read(self) -> None:
+        """Route what arrives. With channels the read waits as long as it takes (an UNSUBSCRIBE's reply wakes it:
+        a timeout on every read was ~20 us a message); with none, a quarter of a second, for the idle close."""
+        if self._queues:
+            data = await self._stream.read(65536)
+        else:
+            try:
+                async with asyncio.timeout(0.25):
+                    data = await self._stream.read(65536)
+            except TimeoutError:  # (a cancelled read leaves what arrived in the stream's buffer)
+                return
+        if not data:
+            raise RedisConnectionError("pub/sub connection closed by the server")
+        self._heard = time.monotonic()
+        self._parser.feed(data)
+        while (reply := self._parser.gets()) is not False:  # (a protocol error raises: the connection is re-made)
+            self._route(reply)
+
+    def _keep_alive(self) -> None:
+        """Every PING_EVERY_S on a connection: a PING if it has been quiet that long (a proxy or NAT drops idle
+        connections; its reply, or the error if the connection broke, reaches the reader)."""
+        conn = self._conn
+        if conn is None:
+            return
+        if time.monotonic() - self._heard >= PING_EVERY_S:
+            self._ping = asyncio.ensure_future(self._send_ping(conn))
+        self._pinger = asyncio.get_running_loop().call_later(PING_EVERY_S, self._keep_alive)
+
+    @staticmethod
+    async def _send_ping(conn) -> None:
+        try:
+            await conn.send_command("PING", check_health=False)
+        except (RedisError, OSError):
+            pass  # the reader sees the broken connection and re-makes it
+
+    def _route(self, reply) -> None:
+        """One reply: ["subscribe", channel, count], ["message", channel, data], ["unsubscribe", ...] or a pong
+        (RESP2 arrays and RESP3 pushes parse alike)."""
+        if isinstance(reply, hiredis.ReplyError):
+            raise RedisConnectionError(f"pub/sub: Redis replied {reply}")
+        if not isinstance(reply, list) or len(reply) < 3:
+            return
+        kind, channel = reply[0], reply[1].decode() if isinstance(reply[1], bytes) else reply[1]
+        if kind == b"subscribe":
             fut = self._waiting.pop(channel, None)
             if fut is not None and not fut.done():
                 fut.set_result(True)
-        elif msg["type"] == "message" and (queue := self._queues.get(channel)) is not None:
-            queue.put_nowait(msg["data"])
+        elif kind == b"message" and (queue := self._queues.get(channel)) is not None:
+            queue.put_nowait(reply[2])
 
     async def _drop_connection(self) -> None:
-        pubsub, self._pubsub = self._pubsub, None
-        if pubsub is not None:
-            try:
-                await pubsub.aclose()
-            except (RedisError, OSError):
-                pass
+        conn, self._conn, self._stream, self._parser = self._conn, None, None, None
+        if self._pinger is not None:
+            self._pinger.cancel()
+            self._pinger = None
+        if conn is not None:
+            await self._release(conn)
+
+    async def _release(self, conn) -> None:
+        """Closed (no subscriptions go back to the pool), then returned: the pool connects it again when lent."""
+        try:
+            await conn.disconnect(nowait=True)  # (not waiting for the close: a cancelled reader may hold the stream)
+        except (RedisError, OSError):
+            pass
+        await self.redis.connection_pool.release(conn)
 
     async def close(self) -> None:
         self._closed = True
