@@ -27,6 +27,7 @@ class ReplicaInfo(BaseModel):
     roofs: dict | None = None  # measured at start-up (engine/roofline.py Roofs): flops_per_s, bytes_per_s, kind, ...
     accepting: bool = True  # pulling new requests (False while draining): routers send it nothing then
     block_size: int = 16  # of its KV cache: routers hash prompts in blocks of this size
+    max_model_len: int = 0  # prompt + output tokens it takes (0: not said); the API's /v1/models shows it
     role: str = "both"  # both | prefill | decode (prefill/decode disaggregation): routers send new requests to
     # prefill and both replicas; prefill replicas hand requests to decode replicas
 
@@ -137,7 +138,7 @@ class Control:
         info = ReplicaInfo(model=s.cfg.model_name, running=len(jobs), capacity=s.capacity(),
                            precision=precision(s.engine.config), draft_model=s.engine.config.draft_model or "",
                            roofs=s.roofs, accepting=s.pulling.is_set(), block_size=s.engine.config.block_size,
-                           role=s.cfg.role)
+                           max_model_len=s.engine.max_model_len, role=s.cfg.role)
         run_id = s.redis.info("server").get("run_id")
         if run_id != self._redis_run_id:  # a Redis we have not published to: the prefix-cache set goes whole
             self._redis_run_id = run_id

@@ -115,7 +115,8 @@ def api_front(make_worker, redis_server, keys):
     from shared.client import EngineClient
 
     make_worker()
-    state = ServiceState("tiny", EngineClient(redis_server.url, keys), CollectorRegistry(), drain_timeout=2)
+    state = ServiceState("tiny", EngineClient(redis_server.url, keys), CollectorRegistry(), drain_timeout=2,
+                         front=True)
     yield from _serve(create_app(state, preload_tokenizer=True), state)
 
 

@@ -6,6 +6,7 @@ import sys
 import httpx
 import pytest
 import redis.utils
+from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine_service.engine.sampling_params import SamplingParams
@@ -40,12 +41,42 @@ def test_the_api_runs_on_httptools_and_uvloop_and_reads_redis_with_hiredis():
     assert redis.utils.HIREDIS_AVAILABLE
 
 
-def test_health_ready_and_models(api):
+def test_health_ready_and_models(api, engine):
     _, http = api
     assert http.get("/health").status_code == 200
     ready = http.get("/ready")
     assert ready.status_code == 200 and ready.json()["model_loaded"] and ready.json()["redis"]
-    assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["tiny"]
+    (card,) = http.get("/v1/models").json()["data"]
+    assert card["id"] == "tiny" and card["object"] == "model" and card["max_model_len"] == engine.max_model_len
+
+
+def test_an_api_front_lists_the_model_once_a_replica_serves_it(api_front, engine):
+    _, http = api_front
+    wait_until(lambda: http.get("/ready").status_code == 200, 30, what="the worker's first heartbeat")
+    (card,) = http.get("/v1/models").json()["data"]
+    assert card["id"] == "tiny" and card["max_model_len"] == engine.max_model_len  # from the replica's heartbeat
+
+
+@pytest.mark.parametrize("front,load_error,why", [
+    (False, None, "the model is loading"), (False, "OSError: no such model", "the model failed to load: OSError"),
+    (True, None, "no replica serves it yet")])
+def test_models_answer_503_until_the_model_can_be_served(redis_server, keys, front, load_error, why):
+    """A replica whose model still loads (or failed to), a front with no replica of its model: /v1/models is a 503
+    with Retry-After, as /ready, so a client polling it before its first request does not wait out the load."""
+    from engine_service.server.api.app import create_app
+    from engine_service.server.api.state import ServiceState
+    from shared.client import EngineClient
+
+    from .conftest import _serve
+
+    state = ServiceState("unserved", EngineClient(redis_server.url, keys), CollectorRegistry(), front=front,
+                         load_error=load_error)
+    for _, http in _serve(create_app(state), state):
+        r = http.get("/v1/models")
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        error = r.json()["error"]
+        assert error["code"] == "model_not_ready" and why in error["message"], error
+        assert http.get("/ready").status_code == 503 and http.get("/health").status_code == 200
 
 
 def test_completion_equals_the_in_process_engine(api, reference_engine):

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine_service.server.api.admission import Admission
+from engine_service.server.api.admission import RETRY_AFTER_S, Admission
 from engine_service.server.api.body_limit import BodyLimit
 from engine_service.server.api.openai import chat_completions, completions
 from engine_service.server.api.state import APIError, ServiceState
@@ -93,20 +93,26 @@ def create_app(state: ServiceState, *, preload_tokenizer: bool = False) -> FastA
     async def health() -> dict:
         return {"status": "ok", "uptime_s": round(time.time() - state.started_at, 1)}
 
-    @app.get("/ready")
-    async def ready() -> JSONResponse:
-        redis_ok, serving = True, 0
+    async def serving() -> tuple[bool, list[dict]]:
+        """Whether Redis answers, and the live replicas that serve the model and take requests (a replica's own
+        app: itself, once its model has loaded)."""
         try:
             await asyncio.wait_for(state.client.redis.ping(), 2.0)
-            if state.front:
-                live = await asyncio.wait_for(monitor.replicas(state.client.redis, state.client.keys), 2.0)
-                serving = sum(1 for info in live.values()
-                              if info.get("model") == state.model_name and info.get("accepting", True))
+            if not state.front:
+                return True, [] if state.replica is None else [
+                    {"max_model_len": state.replica.state.engine.max_model_len}]
+            live = await asyncio.wait_for(monitor.replicas(state.client.redis, state.client.keys), 2.0)
         except (TimeoutError, RedisError, OSError):
-            redis_ok = False
+            return False, []
+        return True, [info for info in live.values()
+                      if info.get("model") == state.model_name and info.get("accepting", True)]
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        redis_ok, replicas = await serving()
         if state.front:  # an API front: ready while Redis answers and some replica serves the model
-            body = {"redis": redis_ok, "model": state.model_name, "replicas": serving}
-            return JSONResponse(body, status_code=200 if redis_ok and serving else 503)
+            body = {"redis": redis_ok, "model": state.model_name, "replicas": len(replicas)}
+            return JSONResponse(body, status_code=200 if redis_ok and replicas else 503)
         body = {"model_loaded": state.replica is not None, "redis": redis_ok, "model": state.model_name,
                 "load_error": state.load_error}
         return JSONResponse(body, status_code=200 if state.replica is not None and redis_ok else 503)
@@ -117,8 +123,20 @@ def create_app(state: ServiceState, *, preload_tokenizer: bool = False) -> FastA
 
     @v1.get("/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": int(state.started_at),
-                                            "owned_by": "decodelab"}]}
+        # Listed once it can be served, as vLLM's server (which listens only after its model loads): clients and
+        # scripts that poll /v1/models before their first request then do not wait out a model's load in it.
+        redis_ok, replicas = await serving()
+        if not (redis_ok and replicas):
+            why = ("Redis does not answer" if not redis_ok else "no replica serves it yet" if state.front
+                   else f"the model failed to load: {state.load_error}" if state.load_error else "the model is loading")
+            raise APIError(503, f"model {state.model_name!r} is not ready: {why}", "service_unavailable",
+                           "model_not_ready", headers={"Retry-After": str(RETRY_AFTER_S)})
+        lengths = [n for info in replicas if (n := info.get("max_model_len", 0)) > 0]
+        card = {"id": state.model_name, "object": "model", "created": int(state.started_at), "owned_by": "decodelab",
+                "root": state.model_name, "parent": None}
+        if lengths:  # prompt + output tokens every replica serving it takes
+            card["max_model_len"] = min(lengths)
+        return {"object": "list", "data": [card]}
 
     @v1.post("/completions")
     async def completion_route(body: CompletionBody, http: Request):
