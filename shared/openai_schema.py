@@ -4,16 +4,19 @@ The bodies take what OpenAI takes: `null` for an optional field means its defaul
 not know is ignored (the route logs it once per request, as vLLM does) rather than refused. Chat messages may be
 `developer` (shown to the template as `system`), give their content as a list of text parts (joined with newlines,
 as vLLM does; any other part is refused) and carry a `name` (accepted, not shown to the model). A completion's
-prompt may be a batch: a list of strings or of token-id lists, one protocol request per prompt.
+prompt may be a batch: a list of strings or of token-id lists, one protocol request per prompt. Tool calls come
+out of a grammar (tool_choice a named function or "required"; shared/openai_tools.py).
 """
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from shared.openai_tools import NamedToolChoice, Tool, ToolCalls, ToolChoice, call_schema, check_tools, resolved
 from shared.protocol import (
     ChatMessage,
     Completion,
@@ -25,6 +28,8 @@ from shared.protocol import (
     StructuredOutputs,
     TokenId,
     TokenLogprob,
+    ToolCall,
+    ToolCallFunction,
     new_request_id,
 )
 
@@ -84,10 +89,30 @@ class ContentPart(_Open):
     text: str = ""
 
 
+class FunctionCallIn(_Open):
+    name: str = Field(max_length=256)
+    arguments: str | dict[str, Any] = "{}"  # JSON text, as OpenAI sends it (an object is taken too)
+
+
+class ToolCallIn(_Open):
+    """A call an earlier assistant turn made (OpenAI's message.tool_calls item)."""
+
+    id: str = Field(max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+    def to_protocol(self) -> ToolCall:
+        args = self.function.arguments
+        return ToolCall(id=self.id, function=ToolCallFunction(
+            name=self.function.name, arguments=args if isinstance(args, str) else json.dumps(args)))
+
+
 class Message(_Open):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None  # None only for an assistant turn (that called tools)
     name: str | None = None  # accepted; the chat template is not shown it
+    tool_calls: list[ToolCallIn] | None = Field(None, max_length=128)  # an assistant turn's calls
+    tool_call_id: str | None = Field(None, max_length=256)  # a tool turn: the call it answers
 
     @model_validator(mode="after")
     def _text_only(self) -> Message:
@@ -101,7 +126,9 @@ class Message(_Open):
 
     def to_protocol(self) -> ChatMessage:
         text = "\n".join(p.text for p in self.content) if isinstance(self.content, list) else self.content or ""
-        return ChatMessage(role="system" if self.role == "developer" else self.role, content=text)
+        calls = [c.to_protocol() for c in self.tool_calls] if self.tool_calls else None
+        return ChatMessage(role="system" if self.role == "developer" else self.role, content=text, tool_calls=calls,
+                           tool_call_id=self.tool_call_id)
 
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -244,12 +271,46 @@ class ChatBody(_Body):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: ToolChoice | None = None  # default: "auto" with tools, "none" without (shared/openai_tools.py)
+    parallel_tool_calls: bool = True  # False: tool_choice "required" makes exactly one call
+
+    @model_validator(mode="after")
+    def _tools(self) -> ChatBody:
+        if (why := check_tools(self.tools, self.tool_choice)) is not None:
+            raise PydanticCustomError("tool_choice", why)
+        if self.tool_calls() is not None and (other := super().structured()) is not None:
+            raise PydanticCustomError("structured_outputs", "structured_outputs: tool calls follow their tools' "
+                                      "schemas; a second constraint ({other}) cannot apply too",
+                                      {"other": ", ".join(k for k, v in other.model_dump().items() if v)})
+        return self
+
+    def tool_calls(self) -> ToolCalls | None:
+        """How the reply's output becomes tool calls (None: it is text)."""
+        choice = resolved(self.tools, self.tool_choice)
+        if isinstance(choice, NamedToolChoice):
+            return ToolCalls(choice.function.name)
+        return ToolCalls(None) if choice == "required" else None
+
+    def structured(self) -> StructuredOutputs | None:
+        if self.tools and (schema := call_schema(self.tools, resolved(self.tools, self.tool_choice),
+                                                 self.parallel_tool_calls)) is not None:
+            return StructuredOutputs(json=schema)
+        return super().structured()
+
+    def unknown_fields(self) -> list[str]:
+        extra = super().unknown_fields()
+        for i, tool in enumerate(self.tools or ()):
+            extra += [f"tools[{i}].{k}" for k in tool.model_extra or {}]
+            extra += [f"tools[{i}].function.{k}" for k in tool.function.model_extra or {}]
+        return extra
 
     def to_request(self, default_max_tokens: int, client_id: str = "openai") -> GenerationRequest:
         max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        tools = [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
         return GenerationRequest(request_id=f"chatcmpl-{new_request_id()}", model=self.model, client_id=client_id,
-                                 messages=[m.to_protocol() for m in self.messages],
+                                 messages=[m.to_protocol() for m in self.messages], tools=tools,
                                  params=self._options(max_tokens, logprobs, self.prompt_logprobs))
 
 
@@ -309,11 +370,14 @@ def completion_response(rid: str, model: str, choices: list[dict], usage_: dict)
             "choices": choices, "usage": usage_}
 
 
-def chat_response(rid: str, model: str, done: DoneEvent, want_logprobs: bool) -> dict:
+def chat_response(rid: str, model: str, done: DoneEvent, want_logprobs: bool, tools: ToolCalls | None = None) -> dict:
     def choice(c: Completion) -> dict:
         lp = chat_logprobs(c.logprobs) if want_logprobs and c.logprobs is not None else None
-        return {"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
-                "finish_reason": c.finish_reason}
+        if tools is None:
+            return {"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
+                    "finish_reason": c.finish_reason}
+        return {"index": c.index, "message": tools.message(c.text), "logprobs": lp,
+                "finish_reason": tools.finish_reason(c.finish_reason)}
 
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": [choice(c) for c in done.outputs], "usage": usage([done])}

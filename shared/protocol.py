@@ -1,6 +1,7 @@
 """Wire protocol between clients (web, OpenAI API) and engine replicas: Pydantic models, JSON only."""
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -90,9 +91,33 @@ class SamplingOptions(SamplingExtras):
     sampler_stages: int = Field(0, ge=0, le=64)
 
 
+class ToolCallFunction(_Model):
+    name: str = Field(max_length=256)
+    arguments: str  # JSON text, as OpenAI gives it
+
+
+class ToolCall(_Model):
+    id: str = Field(max_length=256)
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Model):
     role: Literal["system", "user", "assistant", "tool"]
     content: str
+    tool_calls: list[ToolCall] | None = Field(None, max_length=128)  # an assistant turn that called tools
+    tool_call_id: str | None = Field(None, max_length=256)  # a tool turn: the call it answers
+
+    def for_template(self) -> dict:
+        """The message as Hugging Face chat templates read it: tool calls' arguments as objects, not JSON text
+        (the templates of Qwen2.5, Llama 3.1, Hermes write them with `tojson`), as vLLM hands them over."""
+        out = self.model_dump(exclude_none=True)
+        for call in out.get("tool_calls", ()):
+            try:
+                call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+            except ValueError:
+                pass  # not JSON: the template gets the text
+        return out
 
 
 REQUEST_ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,128}$"
@@ -128,11 +153,16 @@ class GenerationRequest(_Model):
     created_at: float = Field(default_factory=time.time)
     deadline: float | None = None  # unix time; past it the request is dropped with an error event
     continuation: Continuation | None = None  # generate after the prompt plus these tokens (a branch)
+    # with messages: the tools (OpenAI's {"type": "function", "function": {name, description, parameters}}) the
+    # chat template shows the model; calls to them are the API's to shape (server/api/tool_calls.py)
+    tools: list[dict[str, Any]] | None = Field(None, max_length=128)
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerationRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("exactly one of prompt and messages must be given")
+        if self.tools is not None and self.messages is None:
+            raise ValueError("tools need messages (a chat)")
         return self
 
 

@@ -43,16 +43,19 @@ def routing_name(digest: bytes) -> str:
     return digest[:HASH_BYTES].hex()
 
 
+def chat_prompt(request: GenerationRequest, tokenizer) -> str:
+    """The text a chat request's messages (and tools) make through the model's chat template, ready for the
+    assistant's turn (ValueError if the template refuses them)."""
+    try:
+        return tokenizer.apply_chat_template([m.for_template() for m in request.messages], tools=request.tools,
+                                             tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # jinja's TemplateError (raise_exception in the template) and the like
+        raise ValueError(f"messages: the model's chat template refused them: {e}") from None
+
+
 def prompt_token_ids(request: GenerationRequest, tokenizer) -> list[int]:
     """The token ids the replica will run for `request` (ValueError if its chat template refuses the messages)."""
-    if request.messages is not None:
-        try:
-            prompt = tokenizer.apply_chat_template([m.model_dump() for m in request.messages], tokenize=False,
-                                                   add_generation_prompt=True)
-        except Exception as e:  # jinja's TemplateError and the like
-            raise ValueError(f"messages: the model's chat template refused them: {e}") from None
-    else:
-        prompt = request.prompt
+    prompt = request.prompt if request.messages is None else chat_prompt(request, tokenizer)
     ids = list(prompt) if isinstance(prompt, list) else tokenizer(prompt).input_ids
     for part in request.continuation.parts if request.continuation is not None else ():
         ids += part if isinstance(part, list) else tokenizer(part, add_special_tokens=False).input_ids

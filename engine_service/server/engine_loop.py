@@ -28,7 +28,7 @@ from engine_service.server.jobs import (
 from engine_service.server.kv_snapshot import kv_snapshot
 from engine_service.server.state import ReplicaState
 from shared.protocol import DoneEvent, ErrorEvent, encode
-from shared.routing import routing_name
+from shared.routing import chat_prompt, routing_name
 
 log = logging.getLogger("decodelab.replica")
 
@@ -184,7 +184,7 @@ class EngineLoop:
 
     def _prompt(self, job: Job) -> str | list[int]:
         req = job.request
-        prompt = req.prompt if req.messages is None else self._template(req)
+        prompt = req.prompt if req.messages is None else chat_prompt(req, self.engine.tokenizer)
         if req.continuation is None:
             return prompt
         # token ids, tokenized as the engine would the text (admission.check_request): the shared prefix then
@@ -194,13 +194,6 @@ class EngineLoop:
         for part in req.continuation.parts:
             ids += part if isinstance(part, list) else tok(part, add_special_tokens=False).input_ids
         return ids
-
-    def _template(self, req) -> str:
-        try:
-            return self.engine.tokenizer.apply_chat_template(
-                [m.model_dump() for m in req.messages], tokenize=False, add_generation_prompt=True)
-        except Exception as e:  # jinja's TemplateError (raise_exception in the template), ...
-            raise ValueError(f"messages: the model's chat template refused them: {e}") from None
 
     def _check_deadlines(self) -> None:
         now = time.time()

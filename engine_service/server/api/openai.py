@@ -40,6 +40,7 @@ from shared.openai_schema import (
     usage_chunk,
     vllm_prompt_logprobs,
 )
+from shared.openai_tools import ToolCalls, ToolCallStream
 from shared.protocol import DoneEvent, ErrorEvent, GenerationRequest, PromptScores, TokenEvent, new_request_id
 
 log = logging.getLogger("decodelab.api")
@@ -69,6 +70,7 @@ class Reply:
     generated: bool = True  # False: echo with max_tokens=0, the one token the engine drew is not shown
     include_usage: bool = False
     vllm_prompt_logprobs: bool = False  # the body asked vLLM's prompt_logprobs: reported as vLLM does
+    tools: ToolCalls | None = None  # chat with tool_choice a function or "required": the output is tool calls
 
     def echo_text(self, prompt_index: int, scores: PromptScores | None) -> str | None:
         if self.echo is None:
@@ -95,7 +97,8 @@ async def completions(state: ServiceState, http: Request, body: CompletionBody):
 async def chat_completions(state: ServiceState, http: Request, body: ChatBody):
     request = body.to_request(state.default_max_tokens, client_id(http))
     reply = Reply(request.request_id, body.model, chat=True, n=body.n, want_logprobs=body.logprobs,
-                  include_usage=body.include_usage, vllm_prompt_logprobs=body.prompt_logprobs is not None)
+                  include_usage=body.include_usage, vllm_prompt_logprobs=body.prompt_logprobs is not None,
+                  tools=body.tool_calls())
     return await serve(state, http, body, [request], reply)
 
 
@@ -220,7 +223,7 @@ async def _submit_all(state: ServiceState, requests: list[GenerationRequest],
 
 def _response(reply: Reply, dones: list[DoneEvent]) -> dict:
     if reply.chat:
-        body = chat_response(reply.id, reply.model, dones[0], reply.want_logprobs)
+        body = chat_response(reply.id, reply.model, dones[0], reply.want_logprobs, reply.tools)
         if reply.vllm_prompt_logprobs and dones[0].prompt is not None:
             body["prompt_logprobs"] = vllm_prompt_logprobs(dones[0].prompt)
         return body
@@ -288,10 +291,18 @@ async def _sse(state: ServiceState, subs: list[Submission], reply: Reply, stream
         return f"data: {json.dumps(obj)}\n\n"
 
     started: set[int] = set()
+    calls: dict[int, ToolCallStream] = {}  # per choice, with reply.tools
 
     def chunk(index: int, delta: str, finish: str | None = None, logprobs=None) -> str:
         if reply.chat:
-            d = {"content": delta} if delta or finish is None else {}
+            if reply.tools is None:
+                d = {"content": delta} if delta or finish is None else {}
+            else:  # the text is tool calls: sent as `tool_calls` entries, as they become whole enough to send
+                entries = calls.setdefault(index, reply.tools.stream()).feed(delta)
+                d = {"tool_calls": entries} if entries else {}
+                finish = reply.tools.finish_reason(finish)
+                if not d and finish is None and index in started and not (reply.want_logprobs and logprobs):
+                    return ""  # nothing to say yet ("required": a call is sent once its element closed)
             if index not in started:
                 started.add(index)
                 d = {"role": "assistant", **d}
@@ -337,8 +348,9 @@ async def _sse(state: ServiceState, subs: list[Submission], reply: Reply, stream
                 delta = text.feed(ev)
                 if text.diverged:
                     break  # cancelled in `finally`; the client is told below
-                if delta and reply.generated:
-                    yield chunk(base + ev.index, delta, logprobs=None if ev.reset else ev.logprobs)
+                if delta and reply.generated and (
+                        line := chunk(base + ev.index, delta, logprobs=None if ev.reset else ev.logprobs)):
+                    yield line
             else:
                 finals = [(c, text.final(c.index, c.text)) for c in ev.outputs]
                 if text.diverged:
