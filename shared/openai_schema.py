@@ -314,6 +314,37 @@ class ChatBody(_Body):
                                  params=self._options(max_tokens, logprobs, self.prompt_logprobs))
 
 
+class TokenizeBody(_Open):
+    """vLLM's /tokenize: a `prompt` (text), or `messages` (and `tools`) through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = Field(None, min_length=1)
+    tools: list[Tool] | None = Field(None, max_length=128)
+    add_generation_prompt: bool = True  # messages: end ready for the assistant's turn
+    add_special_tokens: bool | None = None  # None: as the engine tokenises a request (the tokenizer's default)
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeBody:
+        if (self.prompt is None) == (self.messages is None):
+            raise PydanticCustomError("prompt", "give exactly one of prompt and messages")
+        if self.tools is not None and self.messages is None:
+            raise PydanticCustomError("tools", "tools need messages")
+        return self
+
+    def to_request(self) -> GenerationRequest:
+        if self.messages is None:
+            return GenerationRequest(prompt=self.prompt)
+        return GenerationRequest(messages=[m.to_protocol() for m in self.messages],
+                                 tools=[t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None)
+
+
+class DetokenizeBody(_Open):
+    model: str | None = None
+    tokens: list[TokenId] = Field(max_length=1 << 20)
+
+
 # ---- responses
 def error_body(message: str, type_: str, code: str | None = None, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}

@@ -91,6 +91,14 @@ class Router:
             return None
         return None if isinstance(tok, asyncio.Future) else tok
 
+    async def loaded_tokenizer(self, model: str):
+        """The model's tokenizer, waiting for it to load from Redis; None while no replica has published it."""
+        self.tokenizer(model)
+        if isinstance(loading := self._tokenizers.get(model), asyncio.Future):
+            await asyncio.shield(loading)  # (a cancelled request must not cancel the load for the others)
+        tok = self._tokenizers.get(model)
+        return None if isinstance(tok, asyncio.Future) else tok
+
     def warm(self, model: str) -> None:
         """Start loading the model's tokenizer unless it is loaded or loading, or its published files failed to
         load before (then only a request tries again: a caller that polls must not retry a broken one each time)."""

@@ -43,12 +43,12 @@ def routing_name(digest: bytes) -> str:
     return digest[:HASH_BYTES].hex()
 
 
-def chat_prompt(request: GenerationRequest, tokenizer) -> str:
+def chat_prompt(request: GenerationRequest, tokenizer, add_generation_prompt: bool = True) -> str:
     """The text a chat request's messages (and tools) make through the model's chat template, ready for the
     assistant's turn (ValueError if the template refuses them)."""
     try:
         return tokenizer.apply_chat_template([m.for_template() for m in request.messages], tools=request.tools,
-                                             tokenize=False, add_generation_prompt=True)
+                                             tokenize=False, add_generation_prompt=add_generation_prompt)
     except Exception as e:  # jinja's TemplateError (raise_exception in the template) and the like
         raise ValueError(f"messages: the model's chat template refused them: {e}") from None
 

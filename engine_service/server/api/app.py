@@ -21,13 +21,19 @@ from engine_service.server.api.admission import RETRY_AFTER_S, Admission
 from engine_service.server.api.body_limit import BodyLimit
 from engine_service.server.api.openai import chat_completions, completions
 from engine_service.server.api.state import APIError, ServiceState
+from engine_service.server.api.tokenize import detokenize, tokenize
 from engine_service.server.metrics import EngineCollector
 from shared import monitor
-from shared.openai_schema import ChatBody, CompletionBody, error_body
+from shared.openai_schema import ChatBody, CompletionBody, DetokenizeBody, TokenizeBody, error_body
 from shared.protocol import validation_message
 
 log = logging.getLogger("decodelab.api")
 disable_created_metrics()
+
+
+def max_model_lens(replicas: list[dict]) -> list[int]:
+    """The context lengths the serving replicas said (older ones say none)."""
+    return [n for info in replicas if (n := info.get("max_model_len", 0)) > 0]
 
 
 def create_app(state: ServiceState, *, preload_tokenizer: bool = False) -> FastAPI:
@@ -131,7 +137,7 @@ def create_app(state: ServiceState, *, preload_tokenizer: bool = False) -> FastA
                    else f"the model failed to load: {state.load_error}" if state.load_error else "the model is loading")
             raise APIError(503, f"model {state.model_name!r} is not ready: {why}", "service_unavailable",
                            "model_not_ready", headers={"Retry-After": str(RETRY_AFTER_S)})
-        lengths = [n for info in replicas if (n := info.get("max_model_len", 0)) > 0]
+        lengths = max_model_lens(replicas)
         card = {"id": state.model_name, "object": "model", "created": int(state.started_at), "owned_by": "decodelab",
                 "root": state.model_name, "parent": None}
         if lengths:  # prompt + output tokens every replica serving it takes
@@ -145,6 +151,17 @@ def create_app(state: ServiceState, *, preload_tokenizer: bool = False) -> FastA
     @v1.post("/chat/completions")
     async def chat_route(body: ChatBody, http: Request):
         return await chat_completions(state, http, body)
+
+    # vLLM's tokenizer routes (at the root, as vLLM serves them)
+    @app.post("/tokenize", dependencies=[Depends(check_api_key)])
+    async def tokenize_route(body: TokenizeBody) -> dict:
+        _, replicas = await serving()
+        lengths = max_model_lens(replicas)
+        return await tokenize(state, body, min(lengths) if lengths else None)
+
+    @app.post("/detokenize", dependencies=[Depends(check_api_key)])
+    async def detokenize_route(body: DetokenizeBody) -> dict:
+        return await detokenize(state, body)
 
     app.include_router(v1)
     return app

@@ -10,6 +10,7 @@ from engine_service.server.metrics import RouteMetrics
 from engine_service.server.replica import Replica
 from shared.client import EngineClient
 from shared.limits import Limits
+from shared.router import Router
 
 
 class APIError(Exception):
@@ -38,6 +39,16 @@ class ServiceState:
     load_error: str | None = None
     started_at: float = field(default_factory=time.time)
 
+    _tokenizers: Router | None = None  # a front's, where it does not route (DECODELAB_ROUTING=0)
+
     def __post_init__(self) -> None:
         if self.route_metrics is None:
             self.route_metrics = RouteMetrics(self.registry)
+
+    def tokenizers(self) -> Router:
+        """Where a front gets the model's tokenizer (published by the replicas): its router's, or one of its own."""
+        if self.client.router is not None:
+            return self.client.router
+        if self._tokenizers is None:
+            self._tokenizers = Router(self.client.redis, self.client.keys)
+        return self._tokenizers
