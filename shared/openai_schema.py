@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from shared.openai_tools import NamedToolChoice, Tool, ToolCalls, ToolChoice, call_schema, check_tools, resolved
+from shared.openai_tools import ToolCalls
 from shared.protocol import (
     ChatMessage,
     Completion,
@@ -82,6 +82,78 @@ class ResponseFormat(_Open):
         if self.type == "json_schema":
             return StructuredOutputs(json=self.json_schema.schema_)
         return None
+
+
+# A function without `parameters` takes none (OpenAI's reading): its arguments are the empty object.
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+class FunctionDef(_Open):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # calls follow the schema either way here
+
+
+class Tool(_Open):
+    """A tool a chat may call (calls come out of a grammar: shared/openai_tools.py)."""
+
+    type: Literal["function"]
+    function: FunctionDef
+
+    def schema(self) -> dict[str, Any]:
+        return self.function.parameters if self.function.parameters is not None else NO_PARAMETERS
+
+
+def tool_dicts(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
+    """The tools as the protocol carries them to the chat template."""
+    return [t.model_dump(exclude_none=True) for t in tools] if tools else None
+
+
+class _FunctionName(_Open):
+    name: str
+
+
+class NamedToolChoice(_Open):
+    type: Literal["function"]
+    function: _FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+def check_tools(tools: list[Tool] | None, choice: ToolChoice | None) -> str | None:
+    """Why this tools / tool_choice pair cannot be served (a 400's message), or None."""
+    names = [t.function.name for t in tools or ()]
+    if len(set(names)) < len(names):
+        return "tools: two tools have the same name"
+    choice = resolved(tools, choice)
+    if choice == "auto":
+        return ("tool_choice 'auto' (the default when tools are given) needs a parser of the model's own tool-call "
+                "format, which this server does not have: pass tool_choice 'required' or a named function (calls "
+                "then come out of a grammar and always follow their schema), or 'none'")
+    if choice != "none" and not names:
+        return "tool_choice: a tool call needs tools"
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+        return f"tool_choice: no tool named {choice.function.name!r} in tools"
+    return None
+
+
+def resolved(tools: list[Tool] | None, choice: ToolChoice | None) -> ToolChoice:
+    """OpenAI's default: "auto" with tools, "none" without."""
+    return choice if choice is not None else ("auto" if tools else "none")
+
+
+def call_schema(tools: list[Tool], choice: ToolChoice, parallel: bool = True) -> dict[str, Any] | None:
+    """The JSON schema the output follows (None: free text)."""
+    if isinstance(choice, NamedToolChoice):
+        return next(t.schema() for t in tools if t.function.name == choice.function.name)
+    if choice != "required":
+        return None
+    calls = [{"type": "object", "properties": {"name": {"enum": [t.function.name]}, "parameters": t.schema()},
+              "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+    items = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    return {"type": "array", "items": items, "minItems": 1, **({} if parallel else {"maxItems": 1})}
 
 
 class ContentPart(_Open):
@@ -308,9 +380,8 @@ class ChatBody(_Body):
     def to_request(self, default_max_tokens: int, client_id: str = "openai") -> GenerationRequest:
         max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        tools = [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
         return GenerationRequest(request_id=f"chatcmpl-{new_request_id()}", model=self.model, client_id=client_id,
-                                 messages=[m.to_protocol() for m in self.messages], tools=tools,
+                                 messages=[m.to_protocol() for m in self.messages], tools=tool_dicts(self.tools),
                                  params=self._options(max_tokens, logprobs, self.prompt_logprobs))
 
 
@@ -336,8 +407,7 @@ class TokenizeBody(_Open):
     def to_request(self) -> GenerationRequest:
         if self.messages is None:
             return GenerationRequest(prompt=self.prompt)
-        return GenerationRequest(messages=[m.to_protocol() for m in self.messages],
-                                 tools=[t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None)
+        return GenerationRequest(messages=[m.to_protocol() for m in self.messages], tools=tool_dicts(self.tools))
 
 
 class DetokenizeBody(_Open):

@@ -10,89 +10,14 @@
 - `"auto"` (the default with tools) would need a parser of the model's own tool-call format (Hermes' `<tool_call>`,
   Llama 3's JSON, ...): refused with a 400, as vLLM refuses it without `--tool-call-parser`.
 
-The grammar guarantees each call parses and follows its schema, not that it is a good call.
+The grammar guarantees each call parses and follows its schema, not that it is a good call. The request side (the
+tools, the choice, the grammar's schema) is shared/openai_schema.py's; this file turns the output into calls.
 """
 from __future__ import annotations
 
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal
-
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-# A function without `parameters` takes none (OpenAI's reading): its arguments are the empty object.
-NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
-
-
-class _Part(BaseModel):
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _nulls(cls, data: Any) -> Any:
-        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
-
-
-class FunctionDef(_Part):
-    name: str = Field(min_length=1, max_length=64)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
-    strict: bool | None = None  # calls follow the schema either way here
-
-
-class Tool(_Part):
-    type: Literal["function"]
-    function: FunctionDef
-
-    def schema(self) -> dict[str, Any]:
-        return self.function.parameters if self.function.parameters is not None else NO_PARAMETERS
-
-
-class _FunctionName(_Part):
-    name: str
-
-
-class NamedToolChoice(_Part):
-    type: Literal["function"]
-    function: _FunctionName
-
-
-ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
-
-
-def check_tools(tools: list[Tool] | None, choice: ToolChoice | None) -> str | None:
-    """Why this tools / tool_choice pair cannot be served (a 400's message), or None."""
-    names = [t.function.name for t in tools or ()]
-    if len(set(names)) < len(names):
-        return "tools: two tools have the same name"
-    choice = resolved(tools, choice)
-    if choice == "auto":
-        return ("tool_choice 'auto' (the default when tools are given) needs a parser of the model's own tool-call "
-                "format, which this server does not have: pass tool_choice 'required' or a named function (calls "
-                "then come out of a grammar and always follow their schema), or 'none'")
-    if choice != "none" and not names:
-        return "tool_choice: a tool call needs tools"
-    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-        return f"tool_choice: no tool named {choice.function.name!r} in tools"
-    return None
-
-
-def resolved(tools: list[Tool] | None, choice: ToolChoice | None) -> ToolChoice:
-    """OpenAI's default: "auto" with tools, "none" without."""
-    return choice if choice is not None else ("auto" if tools else "none")
-
-
-def call_schema(tools: list[Tool], choice: ToolChoice, parallel: bool = True) -> dict[str, Any] | None:
-    """The JSON schema the output follows (None: free text)."""
-    if isinstance(choice, NamedToolChoice):
-        return next(t.schema() for t in tools if t.function.name == choice.function.name)
-    if choice != "required":
-        return None
-    calls = [{"type": "object", "properties": {"name": {"enum": [t.function.name]}, "parameters": t.schema()},
-              "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
-    items = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    return {"type": "array", "items": items, "minItems": 1, **({} if parallel else {"maxItems": 1})}
 
 
 def new_call_id() -> str:

@@ -154,7 +154,7 @@ class GenerationRequest(_Model):
     deadline: float | None = None  # unix time; past it the request is dropped with an error event
     continuation: Continuation | None = None  # generate after the prompt plus these tokens (a branch)
     # with messages: the tools (OpenAI's {"type": "function", "function": {name, description, parameters}}) the
-    # chat template shows the model; calls to them are the API's to shape (server/api/tool_calls.py)
+    # chat template shows the model; calls to them are the API's to shape (shared/openai_tools.py)
     tools: list[dict[str, Any]] | None = Field(None, max_length=128)
 
     @model_validator(mode="after")

@@ -17,10 +17,10 @@ from pydantic import ValidationError
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine_service.server.api.admission import RETRY_AFTER_S, Admission
+from engine_service.server.api.admission import Admission
 from engine_service.server.api.body_limit import BodyLimit
 from engine_service.server.api.openai import chat_completions, completions
-from engine_service.server.api.state import APIError, ServiceState
+from engine_service.server.api.state import APIError, ServiceState, not_ready
 from engine_service.server.api.tokenize import detokenize, tokenize
 from engine_service.server.metrics import EngineCollector
 from shared import monitor
@@ -31,9 +31,9 @@ log = logging.getLogger("decodelab.api")
 disable_created_metrics()
 
 
-def max_model_lens(replicas: list[dict]) -> list[int]:
-    """The context lengths the serving replicas said (older ones say none)."""
-    return [n for info in replicas if (n := info.get("max_model_len", 0)) > 0]
+def max_model_len(replicas: list[dict]) -> int | None:
+    """Prompt + output tokens every serving replica takes (None: none said; older replicas do not)."""
+    return min((n for info in replicas if (n := info.get("max_model_len", 0)) > 0), default=None)
 
 
 def create_app(state: ServiceState, *, preload_tokenizer: bool = False) -> FastAPI:
@@ -135,13 +135,11 @@ def create_app(state: ServiceState, *, preload_tokenizer: bool = False) -> FastA
         if not (redis_ok and replicas):
             why = ("Redis does not answer" if not redis_ok else "no replica serves it yet" if state.front
                    else f"the model failed to load: {state.load_error}" if state.load_error else "the model is loading")
-            raise APIError(503, f"model {state.model_name!r} is not ready: {why}", "service_unavailable",
-                           "model_not_ready", headers={"Retry-After": str(RETRY_AFTER_S)})
-        lengths = max_model_lens(replicas)
+            raise not_ready(state.model_name, why)
         card = {"id": state.model_name, "object": "model", "created": int(state.started_at), "owned_by": "decodelab",
                 "root": state.model_name, "parent": None}
-        if lengths:  # prompt + output tokens every replica serving it takes
-            card["max_model_len"] = min(lengths)
+        if (length := max_model_len(replicas)) is not None:
+            card["max_model_len"] = length
         return {"object": "list", "data": [card]}
 
     @v1.post("/completions")
@@ -156,8 +154,7 @@ def create_app(state: ServiceState, *, preload_tokenizer: bool = False) -> FastA
     @app.post("/tokenize", dependencies=[Depends(check_api_key)])
     async def tokenize_route(body: TokenizeBody) -> dict:
         _, replicas = await serving()
-        lengths = max_model_lens(replicas)
-        return await tokenize(state, body, min(lengths) if lengths else None)
+        return await tokenize(state, body, max_model_len(replicas))
 
     @app.post("/detokenize", dependencies=[Depends(check_api_key)])
     async def detokenize_route(body: DetokenizeBody) -> dict:

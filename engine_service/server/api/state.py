@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
 
+from engine_service.server.api.admission import RETRY_AFTER_S
 from engine_service.server.metrics import RouteMetrics
 from engine_service.server.replica import Replica
 from shared.client import EngineClient
@@ -19,6 +20,12 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.code = status, message, type_, code
         self.headers = headers
+
+
+def not_ready(model: str, why: str) -> APIError:
+    """The 503 of a route that needs the model while it cannot be served (loading, failed, no replica)."""
+    return APIError(503, f"model {model!r} is not ready: {why}", "service_unavailable", "model_not_ready",
+                    headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 @dataclass

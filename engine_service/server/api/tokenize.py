@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import anyio
 
-from engine_service.server.api.admission import RETRY_AFTER_S
-from engine_service.server.api.state import APIError, ServiceState
+from engine_service.server.api.state import APIError, ServiceState, not_ready
 from shared.openai_schema import DetokenizeBody, TokenizeBody
 from shared.routing import chat_prompt, prompt_token_ids
 
@@ -43,11 +42,9 @@ async def _tokenizer(state: ServiceState, model: str | None):
                        code="model_not_found")
     if not state.front:
         if state.replica is None:
-            raise APIError(503, f"model {state.model_name!r} is not ready: the model is loading",
-                           "service_unavailable", "model_not_ready", headers={"Retry-After": str(RETRY_AFTER_S)})
+            raise not_ready(state.model_name, "the model is loading")
         return state.replica.state.engine.tokenizer
     tok = await state.tokenizers().loaded_tokenizer(state.model_name)
     if tok is None:
-        raise APIError(503, f"model {state.model_name!r} is not ready: no replica has published its tokenizer",
-                       "service_unavailable", "model_not_ready", headers={"Retry-After": str(RETRY_AFTER_S)})
+        raise not_ready(state.model_name, "no replica has published its tokenizer")
     return tok
