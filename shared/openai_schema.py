@@ -344,7 +344,7 @@ class ChatBody(_Body):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Tool] | None = Field(None, max_length=128)
-    tool_choice: ToolChoice | None = None  # default: "auto" with tools, "none" without (shared/openai_tools.py)
+    tool_choice: ToolChoice | None = None  # default: "auto" with tools, "none" without (resolved)
     parallel_tool_calls: bool = True  # False: tool_choice "required" makes exactly one call
 
     @model_validator(mode="after")
