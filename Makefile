@@ -60,6 +60,6 @@ test-arm64: $(STAMP)
 	tests/arm64/run.sh -q -rs tests/engine/test_generic_cpu.py tests/kernels/test_cbuild.py
 
 # Debian packages the tests use: Chromium (the UI tests drive it headless) and SIMDe's headers (the AVX-512 int8
-# kernel's source built on portable intrinsics, so its tests run on CPUs without AVX-512: kernels/cpu_int8.py).
+# kernel's source built on portable intrinsics, so its tests run on CPUs without AVX-512: decodelab_kernels/cpu_int8.py).
 debs:
 	[ -x /usr/bin/chromium ] && [ -f /usr/include/simde/x86/avx512.h ] || { $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends chromium fonts-liberation libsimde-dev; }

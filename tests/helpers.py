@@ -68,10 +68,11 @@ class Completions:
 
 
 def cpu_int8_build(name: str):
-    """pytest.param of one kernels/cpu_int8 build, skipped where it does not run (the reason names what is missing)"""
+    """pytest.param of one decodelab_kernels/cpu_int8 build, skipped where it does not run (the reason names what
+    is missing)"""
     import pytest
 
-    from kernels import cpu_int8
+    from decodelab_kernels import cpu_int8
 
     why = cpu_int8.unavailable(name)
     return pytest.param(name, marks=pytest.mark.skipif(why is not None, reason=f"no {name} int8 kernel: {why}"))

@@ -135,7 +135,10 @@ def cpu_info() -> dict:
         pass
     isa = ("avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "other") if flags else "unknown"
     extras = sorted(f for f in flags if f in ("avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile", "amx_bf16"))
-    from kernels import cpu_decode_attention, cpu_int8  # the builds this process runs (None: none of ours builds)
+    from decodelab_kernels import (  # the builds this process runs (None: none of ours builds)
+        cpu_decode_attention,
+        cpu_int8,
+    )
 
     int8_isa = cpu_int8.default_isa() if cpu_int8.unavailable() is None else None
     attention_isa = cpu_decode_attention.build_name() if cpu_decode_attention.unavailable() is None else None

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-import kernels
+import decodelab_kernels as kernels
 from engine_service.engine.utils import cdiv
 
 PEAK_GBS = [  # spec HBM bandwidth by device-name substring, first match wins

@@ -109,7 +109,7 @@ def this_cpu_flags() -> list[str]:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         text = ""
-    from kernels._cbuild import cpu_isa  # DECODELAB_CPU_ISA, checked as our kernels read it
+    from decodelab_kernels._cbuild import cpu_isa  # DECODELAB_CPU_ISA, checked as our kernels read it
 
     return ggml_flags(platform.machine(), narrowed(cpu_flags(text), cpu_isa()))
 

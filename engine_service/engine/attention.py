@@ -1,7 +1,7 @@
-"""Paged attention over the KV pool, dispatched to kernels/ (torch reference or Triton).
+"""Paged attention over the KV pool, dispatched to decodelab_kernels/ (torch reference or Triton).
 
 On the torch backend the decode part of a step runs from a `DecodePlan` and its multi-token chunks from a
-`PrefillPlan` (kernels/prefill_attention.py, which makes one per call), each worked out once per step rather
+`PrefillPlan` (decodelab_kernels/prefill_attention.py, which makes one per call), each worked out once per step rather
 than once per layer: kernels.paged_decode_attention_torch sorts the context lengths, cuts length-sorted groups
 of 8 and builds their block ids and length masks on every call, which at batch 1 cost ~0.2 ms of a layer's
 0.28 ms (SmolLM2 shapes, one core of the 2-core target); the plan leaves the gathers and SDPA per layer (same
@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels import cpu_decode_attention
-from kernels._workspace import gather_dequant
-from kernels.kv_int8 import store_int8_torch
-from kernels.prefill_attention import PrefillPlan
+import decodelab_kernels as kernels
+from decodelab_kernels import cpu_decode_attention
+from decodelab_kernels._workspace import gather_dequant
+from decodelab_kernels.kv_int8 import store_int8_torch
+from decodelab_kernels.prefill_attention import PrefillPlan
 
-_GROUP = 8  # sequences per padded decode group, as in kernels/paged_decode_attention.py (see docs/kernels.md)
+_GROUP = 8  # sequences per padded decode group, as in decodelab_kernels/paged_decode_attention.py (see docs/kernels.md)
 
 
 @dataclass
@@ -53,8 +53,8 @@ class DecodePlan:
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
-        # k_scale / v_scale: an int8 cache's [num_blocks, block_size, Hkv] scales (kernels/kv_int8.py): gather, then
-        # dequantize
+        # k_scale / v_scale: an int8 cache's [num_blocks, block_size, Hkv] scales (decodelab_kernels/kv_int8.py):
+        # gather, then dequantize
         b, h, d = q.shape
         bs, hkv = k_cache.shape[1], k_cache.shape[2]
         out = None if self.groups[0].rows is None else torch.empty_like(q)
@@ -135,8 +135,8 @@ class PagedAttention:
         # an int8 KV cache's scales [num_blocks, Hkv], bound by the model runner beside the caches
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
-        # decode and the KV store through kernels/cpu_decode_attention.c (decided on first use: the model's dtypes
-        # and layouts do not change between steps)
+        # decode and the KV store through decodelab_kernels/cpu_decode_attention.c (decided on first use: the model's
+        # dtypes and layouts do not change between steps)
         self._cpu_decode: bool | None = None
         self._cpu_store: bool | None = None
 

@@ -6,7 +6,7 @@ import os
 import numpy as np
 import torch
 
-import kernels
+import decodelab_kernels as kernels
 from engine_service.engine.attention import AttentionMetadata
 from engine_service.engine.config import EngineConfig
 from engine_service.engine.cuda_graphs import decode_graphs_for
@@ -136,7 +136,8 @@ class ModelRunner:
         # zeros, not empty: masked-out slots are multiplied by 0 and must not hold NaN
         kv = lazy_zeros((c.num_hidden_layers, 2, num_blocks, self.config.block_size, c.num_key_value_heads,
                          head_dim(c)), self.kv_dtype, self.device)
-        # int8: one fp32 scale per (layer, K/V, block, slot, KV head), kernels/kv_int8.py; copied with its block
+        # int8: one fp32 scale per (layer, K/V, block, slot, KV head), decodelab_kernels/kv_int8.py; copied with its
+        # block
         self.kv_scales = (lazy_zeros((c.num_hidden_layers, 2, num_blocks, self.config.block_size,
                                       c.num_key_value_heads), torch.float32, self.device)
                           if self.kv_dtype == torch.int8 else None)

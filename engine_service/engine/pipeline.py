@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from kernels import cpu_logits
+from decodelab_kernels import cpu_logits
 
 STAGES = ("raw", "grammar", "penalties", "temperature", "top_k", "top_p", "min_p")
 

@@ -16,10 +16,10 @@ from dataclasses import dataclass, fields, replace
 import numpy as np
 import torch
 
+from decodelab_kernels import cpu_logits
 from engine_service.engine.pipeline import StageRecord, Tracer
 from engine_service.engine.sampling_params import SAMPLING_EPS, SamplingParams
 from engine_service.engine.structured import GrammarMask, apply_mask, masked_mass
-from kernels import cpu_logits
 
 
 @dataclass
@@ -402,8 +402,8 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
 
 
 def _sample_full(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
-    # the raw log-probs' statistics in two C passes where it runs (kernels/cpu_logits.c); a grammar's masked mass
-    # needs the full log-prob rows
+    # the raw log-probs' statistics in two C passes where it runs (decodelab_kernels/cpu_logits.c); a grammar's masked
+    # mass needs the full log-prob rows
     stats = cpu_logits.logit_stats(logits, b.num_logprobs) if b.grammar is None and cpu_logits.applies(logits) else None
     raw_logprobs = logits.log_softmax(dim=1) if stats is None else None
     tracer = Tracer([r for r, n in enumerate(b.stages) if n], [n for n in b.stages if n]) if b.stages else None

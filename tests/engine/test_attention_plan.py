@@ -4,9 +4,9 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-import kernels
+import decodelab_kernels as kernels
+from decodelab_kernels.prefill_attention import PrefillPlan
 from engine_service.engine.attention import AttentionMetadata, PagedAttention
-from kernels.prefill_attention import PrefillPlan
 from tests.kernels.kernel_testing import make_paged_cache, naive_attention
 
 BLOCK, HKV, D = 8, 2, 16

@@ -1,12 +1,12 @@
 """fp16 KV cache in the engine (`kv_cache_dtype="fp16"`, the default under int8 weights on a CPU): the C decode
-attention and store (kernels/cpu_decode_attention.c) reading and writing what PyTorch's paths read and write, and
-SmolLM2's probabilities within a thousandth of a nat or so of the fp32 cache's (the pool's twice the blocks of fp32
+attention and store (decodelab_kernels/cpu_decode_attention.c) reading and writing what PyTorch's paths read and write,
+and SmolLM2's probabilities within a thousandth of a nat or so of the fp32 cache's (the pool's twice the blocks of fp32
 and copy-on-write forks: test_int8_kv.py, beside the int8 cache's)."""
 import pytest
 import torch
 
+from decodelab_kernels import cpu_decode_attention
 from engine_service import LLM, SamplingParams
-from kernels import cpu_decode_attention
 from tests.engine.test_int8_kv import PARAGRAPH
 from tests.helpers import GREEDY, random_prompt
 

@@ -5,9 +5,9 @@ the module path."""
 import pytest
 import torch
 
+from decodelab_kernels import cpu_int8
 from engine_service import LLM, SamplingParams
 from engine_service.engine.models.fused_decode import FusedDecode, kernels_missing
-from kernels import cpu_int8
 from tests.helpers import GREEDY, cpu_int8_build, random_prompt
 
 # also where a run forces the PyTorch paths (DECODELAB_CPU_KERNELS=torch): there is no fused path to test

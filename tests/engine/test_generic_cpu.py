@@ -11,14 +11,14 @@ import sys
 
 import pytest
 
-from kernels._cbuild import is_x86
+from decodelab_kernels._cbuild import is_x86
 from tests.hf_oracle import assert_greedy_matches, hf_greedy
 
 SCRIPT = r"""
 import json
 from engine_service import LLM, SamplingParams
 from engine_service.engine.models import int8_linear
-from kernels import cpu_decode_attention, cpu_decoder, cpu_int8, cpu_layer_ops, cpu_logits
+from decodelab_kernels import cpu_decode_attention, cpu_decoder, cpu_int8, cpu_layer_ops, cpu_logits
 import torch
 
 why = {k.__name__.split(".")[-1]: k.unavailable()

@@ -21,7 +21,7 @@ def tiny_dir(request, tiny_llama_dir, tiny_qwen2_dir):
 def cpu_kernels(request, monkeypatch):
     """Both CPU paths for attention, the layer ops and the sampler's log-prob statistics: our AVX2 kernels
     (where they build) and PyTorch's."""
-    from kernels import cpu_decode_attention, cpu_layer_ops, cpu_logits
+    from decodelab_kernels import cpu_decode_attention, cpu_layer_ops, cpu_logits
 
     if request.param == "torch":
         monkeypatch.setattr(cpu_decode_attention, "enabled", lambda: False)

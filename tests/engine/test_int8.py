@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from decodelab_kernels import cpu_int8
 from engine_service import LLM, SamplingParams
 from engine_service.engine.config import EngineConfig
 from engine_service.engine.models.int8_linear import (
@@ -20,12 +21,11 @@ from engine_service.engine.models.int8_linear import (
     projection_kernels,
 )
 from engine_service.engine.models.packed_linear import Linear
-from kernels import cpu_int8
 from tests.helpers import GREEDY, cpu_int8_build, random_prompt
 
 FBGEMM = _fbgemm_error()  # None, or why fbgemm does not run on this CPU
 needs_fbgemm = pytest.mark.skipif(FBGEMM is not None, reason=f"no fbgemm here: {FBGEMM}")
-AVX2 = cpu_int8.unavailable("avx2")  # None, or why kernels/cpu_int8.c does not build or run here
+AVX2 = cpu_int8.unavailable("avx2")  # None, or why decodelab_kernels/cpu_int8.c does not build or run here
 needs_avx2 = pytest.mark.skipif(AVX2 is not None, reason=f"no avx2 int8 kernel here: {AVX2}")
 AVX512 = cpu_int8.unavailable("avx512")  # None, or why (the instructions the CPU lacks) cpu_int8_avx512.c does not
 VNNI = cpu_int8.unavailable("avx512vnni")  # the same for cpu_int8_vnni.c

@@ -1,4 +1,4 @@
-"""INT8 KV cache in the engine (`kv_cache_dtype="int8"`, kernels/kv_int8.py): ~4x the blocks of fp32 in
+"""INT8 KV cache in the engine (`kv_cache_dtype="int8"`, decodelab_kernels/kv_int8.py): ~4x the blocks of fp32 in
 the same budget (an fp16 cache's 2x beside it), scales copied with their blocks on copy-on-write (forks checked on
 an fp16 cache too), prefix caching unchanged, the Triton backend equal to torch, and greedy SmolLM2 close to fp32
 (approximate: agreement, not token-exactness)."""
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels
+import decodelab_kernels as kernels
 from engine_service import LLM, SamplingParams
 from engine_service.engine.attention import PagedAttention
 from engine_service.engine.config import EngineConfig

@@ -13,6 +13,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from transformers import TopKLogitsWarper, TopPLogitsWarper
 
+from decodelab_kernels import cpu_logits
 from engine_service import LLM, SamplingParams
 from engine_service.engine import sampler
 from engine_service.engine.sampler import (
@@ -29,7 +30,6 @@ from engine_service.engine.sampler import (
     top_k_top_p_kept,
     topk_rows,
 )
-from kernels import cpu_logits
 
 
 def batch(rows: list[dict]) -> SamplingBatch:

@@ -1,14 +1,14 @@
-# INT8 KV cache (kernels/kv_int8.py): the Triton store, decode, prefill and copy kernels vs the torch paths,
+# INT8 KV cache (decodelab_kernels/kv_int8.py): the Triton store, decode, prefill and copy kernels vs the torch paths,
 # under Triton's interpreter. Run by test_int8_kv.py in a fresh process with TRITON_INTERPRET=1; tiny grids.
 import os
 
 import pytest
 import torch
 
-from kernels.copy_blocks import copy_blocks_torch, copy_blocks_triton
-from kernels.paged_decode_attention import paged_decode_attention_torch, paged_decode_attention_triton
-from kernels.prefill_attention import prefill_attention_torch, prefill_attention_triton
-from kernels.store_kvcache import store_kvcache_torch, store_kvcache_triton
+from decodelab_kernels.copy_blocks import copy_blocks_torch, copy_blocks_triton
+from decodelab_kernels.paged_decode_attention import paged_decode_attention_torch, paged_decode_attention_triton
+from decodelab_kernels.prefill_attention import prefill_attention_torch, prefill_attention_triton
+from decodelab_kernels.store_kvcache import store_kvcache_torch, store_kvcache_triton
 from tests.kernels.kernel_testing import make_paged_cache
 from tests.kernels.test_int8_kv import quantized_copy
 

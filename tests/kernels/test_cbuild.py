@@ -1,7 +1,7 @@
-"""kernels/_cbuild.py: where a C kernel cannot be built, it says why and leaves nothing behind."""
+"""decodelab_kernels/_cbuild.py: where a C kernel cannot be built, it says why and leaves nothing behind."""
 import pytest
 
-from kernels import _cbuild, cpu_decode_attention, cpu_decoder, cpu_int8, cpu_layer_ops, cpu_logits
+from decodelab_kernels import _cbuild, cpu_decode_attention, cpu_decoder, cpu_int8, cpu_layer_ops, cpu_logits
 
 KERNELS = {**{f"cpu_int8 {isa}": k for isa, k in cpu_int8.KERNELS.items()},
            **{f"cpu_decode_attention {isa}": k for isa, k in cpu_decode_attention.BUILDS.items()},

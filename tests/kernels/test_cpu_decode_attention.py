@@ -1,5 +1,5 @@
-"""kernels/cpu_decode_attention.c, our paged decode attention (an AVX2 build and an AVX-512 one), against plainly
-written float64 attention over the same paged cache: block sizes, head sizes and query groups off its grids,
+"""decodelab_kernels/cpu_decode_attention.c, our paged decode attention (an AVX2 build and an AVX-512 one), against
+plainly written float64 attention over the same paged cache: block sizes, head sizes and query groups off its grids,
 contexts across its 64-token chunks, an int8 cache against its dequantized values, an fp16 cache against its values,
 a sequence alone or in any batch;
 each build where the CPU runs it; and the engine's choice of build (their fall-back: test_cbuild.py)."""
@@ -8,8 +8,8 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from kernels import cpu_decode_attention
-from kernels.kv_int8 import dequantize
+from decodelab_kernels import cpu_decode_attention
+from decodelab_kernels.kv_int8 import dequantize
 from tests.kernels.kernel_testing import make_paged_cache, naive_attention
 
 pytestmark = pytest.mark.skipif(cpu_decode_attention.unavailable() is not None,
@@ -126,7 +126,7 @@ def test_supports_says_which_calls_fit():
 
 
 def test_store_kv_writes_what_the_torch_store_writes():
-    from kernels import store_kvcache_torch
+    from decodelab_kernels import store_kvcache_torch
 
     cache = make_paged_cache([40], 16, 3, 64, spare_blocks=4)
     qkv = torch.randn(5, 15 * 64)  # rows of the fused projection: q, then k, then v heads
@@ -140,7 +140,7 @@ def test_store_kv_writes_what_the_torch_store_writes():
 
 def test_store_kv_into_an_fp16_cache_rounds_as_torch_does():
     """Round to nearest, ties to even, as .half(): ties and values past fp16's range included."""
-    from kernels import store_kvcache_torch
+    from decodelab_kernels import store_kvcache_torch
 
     cache = make_paged_cache([40], 16, 3, 64, spare_blocks=4)
     kc, vc = cache.k_cache.half(), cache.v_cache.half()
@@ -156,7 +156,7 @@ def test_store_kv_into_an_fp16_cache_rounds_as_torch_does():
 
 
 def test_the_build_follows_the_cpu_and_decodelab_cpu_isa(build, monkeypatch):
-    from kernels import _cbuild
+    from decodelab_kernels import _cbuild
 
     monkeypatch.setenv("DECODELAB_CPU_ISA", "")
     has_avx512 = "avx512f" in _cbuild.cpu_flags()

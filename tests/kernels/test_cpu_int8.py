@@ -1,20 +1,20 @@
-"""kernels/cpu_int8.c, cpu_int8_avx512.c and cpu_int8_vnni.c, our AVX2, AVX-512 and AVX512-VNNI kernels for grouped
-8-bit weights x int16-quantized activations: each against its exact reference (the same integers in float64) and the
-float product, every block shape (rows 1-9 and more, past the VNNI build's 16-row chunks and the AVX2 build's 4;
+"""decodelab_kernels/cpu_int8.c, cpu_int8_avx512.c and cpu_int8_vnni.c, our AVX2, AVX-512 and AVX512-VNNI kernels for
+grouped 8-bit weights x int16-quantized activations: each against its exact reference (the same integers in float64) and
+the float product, every block shape (rows 1-9 and more, past the VNNI build's 16-row chunks and the AVX2 build's 4;
 outputs and inner sizes off its 4 x 32 or 16 x 32 grid), the bias, a row alone or in any batch, long rows, NaN and
 inf (its build's fall-back: test_cbuild.py); `quantize`, its weight format (GroupedInt8), and the packed layouts.
 
 Each test runs on every build that runs here: "avx2" where the CPU has AVX2, "avx512" where it has AVX-512 F + BW,
 "avx512vnni" where it has AVX512-VNNI too, "amx" where it has AMX-INT8 as well (the skips name what it lacks), and
 "avx512-simde", "avx512vnni-simde" and "amx-simde", the AVX-512 sources on SIMDe's portable intrinsics (Debian's
-libsimde-dev, which `make test` installs; "amx-simde" with AMX's tiles in plain C, kernels/cpu_amx.h), so those
-builds' logic is checked on every x86 CPU."""
+libsimde-dev, which `make test` installs; "amx-simde" with AMX's tiles in plain C, decodelab_kernels/cpu_amx.h), so
+those builds' logic is checked on every x86 CPU."""
 import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from kernels import cpu_int8
+from decodelab_kernels import cpu_int8
 from tests.helpers import cpu_int8_build
 
 ISAS = [cpu_int8_build(name) for name in cpu_int8.KERNELS]

@@ -1,13 +1,13 @@
-"""kernels/cpu_layer_ops.c against float64 references (RMSNorm with and without the residual add, SiLU * up) and
-bit for bit against model.apply_rope; strided rows as the model passes them; each row alone or in any batch."""
+"""decodelab_kernels/cpu_layer_ops.c against float64 references (RMSNorm with and without the residual add, SiLU * up)
+and bit for bit against model.apply_rope; strided rows as the model passes them; each row alone or in any batch."""
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from decodelab_kernels import cpu_layer_ops
 from engine_service.engine.models.llama import apply_rope
-from kernels import cpu_layer_ops
 
 pytestmark = pytest.mark.skipif(cpu_layer_ops.unavailable() is not None,
                                 reason=f"no avx2 layer ops here: {cpu_layer_ops.unavailable()}")

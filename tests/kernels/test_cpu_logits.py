@@ -1,5 +1,5 @@
-"""kernels/cpu_logits.c against float64 references (log-sum-exp, entropy, the top n with their log-probabilities),
-and the sampler on it against the sampler on PyTorch's ops."""
+"""decodelab_kernels/cpu_logits.c against float64 references (log-sum-exp, entropy, the top n with their
+log-probabilities), and the sampler on it against the sampler on PyTorch's ops."""
 import math
 
 import pytest
@@ -7,9 +7,9 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from decodelab_kernels import cpu_logits
 from engine_service.engine import sampler
 from engine_service.engine.sampler import SamplingBatch, sample
-from kernels import cpu_logits
 
 pytestmark = pytest.mark.skipif(cpu_logits.unavailable() is not None,
                                 reason=f"no avx2 logit kernel here: {cpu_logits.unavailable()}")

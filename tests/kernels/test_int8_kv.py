@@ -1,6 +1,6 @@
-"""INT8 KV cache (kernels/kv_int8.py): one scale per (token, head) set when the row is written, every value read back
-within half an int8 step of what was written whatever came before or after, attention over it close to the fp32
-cache's, scales copied with their blocks. The Triton paths are checked against these torch ones in
+"""INT8 KV cache (decodelab_kernels/kv_int8.py): one scale per (token, head) set when the row is written, every value
+read back within half an int8 step of what was written whatever came before or after, attention over it close to the
+fp32 cache's, scales copied with their blocks. The Triton paths are checked against these torch ones in
 int8_triton_cases.py."""
 import os
 import subprocess
@@ -12,11 +12,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.copy_blocks import copy_blocks_torch
-from kernels.kv_int8 import QMAX, dequantize
-from kernels.paged_decode_attention import paged_decode_attention_torch
-from kernels.prefill_attention import prefill_attention_torch
-from kernels.store_kvcache import store_kvcache_torch
+from decodelab_kernels.copy_blocks import copy_blocks_torch
+from decodelab_kernels.kv_int8 import QMAX, dequantize
+from decodelab_kernels.paged_decode_attention import paged_decode_attention_torch
+from decodelab_kernels.prefill_attention import prefill_attention_torch
+from decodelab_kernels.store_kvcache import store_kvcache_torch
 from tests.kernels.kernel_testing import make_paged_cache
 
 BS, HKV, D = 4, 2, 16

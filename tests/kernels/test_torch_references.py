@@ -3,10 +3,10 @@ import math
 import pytest
 import torch
 
-from kernels.copy_blocks import copy_blocks_torch
-from kernels.paged_decode_attention import paged_decode_attention_torch
-from kernels.prefill_attention import prefill_attention_torch
-from kernels.store_kvcache import store_kvcache_torch
+from decodelab_kernels.copy_blocks import copy_blocks_torch
+from decodelab_kernels.paged_decode_attention import paged_decode_attention_torch
+from decodelab_kernels.prefill_attention import prefill_attention_torch
+from decodelab_kernels.store_kvcache import store_kvcache_torch
 from tests.kernels.kernel_testing import make_paged_cache, naive_attention
 
 

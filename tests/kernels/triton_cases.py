@@ -6,10 +6,10 @@ import os
 import pytest
 import torch
 
-from kernels.copy_blocks import copy_blocks_torch, copy_blocks_triton
-from kernels.paged_decode_attention import paged_decode_attention_torch, paged_decode_attention_triton
-from kernels.prefill_attention import prefill_attention_torch, prefill_attention_triton
-from kernels.store_kvcache import store_kvcache_torch, store_kvcache_triton
+from decodelab_kernels.copy_blocks import copy_blocks_torch, copy_blocks_triton
+from decodelab_kernels.paged_decode_attention import paged_decode_attention_torch, paged_decode_attention_triton
+from decodelab_kernels.prefill_attention import prefill_attention_torch, prefill_attention_triton
+from decodelab_kernels.store_kvcache import store_kvcache_torch, store_kvcache_triton
 from tests.kernels.kernel_testing import make_paged_cache
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/kernels/test_triton_kernels.py"

@@ -1,12 +1,12 @@
-"""A CPU decode step's model body in one C call (kernels/cpu_decoder.c), for int8 models on our kernel.
+"""A CPU decode step's model body in one C call (decodelab_kernels/cpu_decoder.c), for int8 models on our kernel.
 
 At the few rows of a decode step the module path spends ~5 ms of a SmolLM2 step (2-core AVX2 target) in Python,
 ctypes and PyTorch bookkeeping around its ~10 C calls per layer. `FusedDecode` hands the embedding, the whole layer
 stack and the final norm to one C call that makes the same calls into the same libraries (and copies the same table
 rows), so the numbers are bit for bit the module path's (tested). It runs a step when:
 - the model is on the CPU in fp32 with every decoder matmul on our int8 kernel for generated rows (`--quantization
-  int8`, where kernels/cpu_int8.c builds; `RowSplitWeight` or `Int8Weight("avx2" or "avx512")`), all of one build;
-- the C layer ops and decode attention are enabled (not DECODELAB_CPU_KERNELS=torch) and take the model's shapes,
+  int8`, where decodelab_kernels/cpu_int8.c builds; `RowSplitWeight` or `Int8Weight("avx2" or "avx512")`), all of one
+build; - the C layer ops and decode attention are enabled (not DECODELAB_CPU_KERNELS=torch) and take the model's shapes,
   over an fp32 or fp16 KV cache;
 - every row of the step is a generated token laid out as a decode row (`AttentionMetadata.num_generated` and
   `num_decode` equal the rows; ModelRunner.prepare does so for decoding and speculative verification), none of
@@ -19,9 +19,9 @@ import ctypes
 
 import torch
 
+from decodelab_kernels import cpu_decode_attention, cpu_decoder, cpu_layer_ops
 from engine_service.engine.attention import AttentionMetadata
 from engine_service.engine.models.int8_linear import Int8Weight, RowSplitWeight
-from kernels import cpu_decode_attention, cpu_decoder, cpu_layer_ops
 
 
 def kernels_missing() -> str | None:

@@ -7,17 +7,17 @@ Our kernel's builds and two of PyTorch's; `int8_kernel` picks one:
   compiler: the default there, and DECODELAB_INT8_KERNEL=avx512vnni turns AMX off), "avx512" (AVX-512 F + BW
   without VNNI: the default there; DECODELAB_INT8_KERNEL=amx, =avx512vnni or =avx512 insists on one) and "avx2" (x86
   CPUs with AVX2: the default elsewhere, and DECODELAB_CPU_ISA=avx2 or DECODELAB_INT8_KERNEL=avx2 on any): the
-  builds of our own kernel (kernels/cpu_int8_vnni.c, cpu_int8_avx512.c and cpu_int8.c, the same weight format and
-  the same integer products, built on first use) for every matmul and the LM head, prompt and generated rows alike, each
-  row batch-invariant (outputs in a register's lanes: kernels/cpu_int8.py `pack_wide`). Weights are 8-bit codes in
-  groups of 32 along K, each group with its own fp32 step and offset (kernels/cpu_int8.py `GroupedInt8`, `quantize`:
-  a group's 256 levels span its own [min, max]; a weight whose codes are all on a 16-level grid, as a Q4_1 GGUF's
-  are, is held as 4-bit codes: `Matrix.nibbles`); activations are quantized per row to int16 inside the call;
-  products and a group's sums are integers (vpmaddwd), nothing is calibrated, and each row's result is independent
-  of the others of its step. Measured on SmolLM2-135M (docs/kernels.md, `decodelab bench quality`): the fbgemm mix
-  below, the default before, moved continuation log-likelihoods by up to 0.80 nats and perplexity by up to +3.0%
-  (its 8-bit prompt activations and per-row weight scales both cost); this kernel 0.022 nats and at most +0.09%. The
-  price is prefill speed: the q/k/v and gate/up matmuls of prompt rows ran ~1.5x faster through fbgemm, and the fp32
+  builds of our own kernel (decodelab_kernels/cpu_int8_vnni.c, cpu_int8_avx512.c and cpu_int8.c, the same weight format
+  and the same integer products, built on first use) for every matmul and the LM head, prompt and generated rows alike,
+  each row batch-invariant (outputs in a register's lanes: decodelab_kernels/cpu_int8.py `pack_wide`). Weights are 8-bit
+  codes in groups of 32 along K, each group with its own fp32 step and offset (decodelab_kernels/cpu_int8.py
+  `GroupedInt8`, `quantize`: a group's 256 levels span its own [min, max]; a weight whose codes are all on a 16-level
+  grid, as a Q4_1 GGUF's are, is held as 4-bit codes: `Matrix.nibbles`); activations are quantized per row to int16
+  inside the call; products and a group's sums are integers (vpmaddwd), nothing is calibrated, and each row's result is
+  independent of the others of its step. Measured on SmolLM2-135M (docs/kernels.md, `decodelab bench quality`): the
+  fbgemm mix below, the default before, moved continuation log-likelihoods by up to 0.80 nats and perplexity by up to
+  +3.0% (its 8-bit prompt activations and per-row weight scales both cost); this kernel 0.022 nats and at most +0.09%.
+  The price is prefill speed: the q/k/v and gate/up matmuls of prompt rows ran ~1.5x faster through fbgemm, and the fp32
   step per group costs ~1.3x at 64 rows against per-row scales.
 - "fbgemm" (x86 CPUs with AVX2 or better where our kernel does not build, or DECODELAB_INT8_KERNEL=fbgemm; with a C
   compiler it runs only prompt tokens' q/k/v and gate/up, and the avx2 kernel the rest: `projection_kernels`,
@@ -60,11 +60,11 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_int8, cpu_layer_ops
-from kernels._cbuild import generic_cpu
+from decodelab_kernels import cpu_int8, cpu_layer_ops
+from decodelab_kernels._cbuild import generic_cpu
 
 KERNELS = ("amx", "avx512vnni", "avx512", "avx2", "fbgemm", "dequant")
-OURS = ("amx", "avx512vnni", "avx512", "avx2")  # the builds of kernels/cpu_int8 (cpu_int8.KERNELS' names)
+OURS = ("amx", "avx512vnni", "avx512", "avx2")  # the builds of decodelab_kernels/cpu_int8 (cpu_int8.KERNELS' names)
 QMAX = {"avx512": 127, "avx2": 127, "fbgemm": 63, "dequant": 127}
 
 # Seen once at load to find each matmul's activation ranges (SmoothQuant calibration): prose, code, numbers.

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from decodelab_kernels import cpu_layer_ops
 from engine_service.engine.attention import AttentionMetadata, PagedAttention
 from engine_service.engine.models.fused_decode import FusedDecode
 from engine_service.engine.models.int8_linear import (
@@ -20,7 +21,6 @@ from engine_service.engine.models.int8_linear import (
 )
 from engine_service.engine.models.loader import head_dim as head_dim_of
 from engine_service.engine.models.packed_linear import Linear, pack_weight, packed_linear
-from kernels import cpu_layer_ops
 
 
 class RMSNorm(nn.Module):

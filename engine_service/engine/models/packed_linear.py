@@ -30,9 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from decodelab_kernels import _cbuild
 from engine_service.engine.models.int8_linear import HeadWeight, Int8Weight, RowSplitWeight, quantized
 from engine_service.engine.utils import cdiv
-from kernels import _cbuild
 
 _PACKABLE = (torch.float32, torch.bfloat16)  # fp16 packing needs AVX512-FP16 / AVX-NE-CONVERT
 

@@ -2,7 +2,7 @@
    PyTorch's ~8 (log_softmax, topk, and the entropy's exp, mask, product and sum, each over a 49k vocabulary):
    the log-sum-exp, the entropy of the softmax, and the n largest logits. Rows are independent: each is computed by
    one thread, the same bits in any batch; a batch with enough of them splits them between threads (OpenMP,
-   PyTorch's libgomp, loaded first; `parallel_min`). Built and loaded by kernels/cpu_logits.py. */
+   PyTorch's libgomp, loaded first; `parallel_min`). Built and loaded by decodelab_kernels/cpu_logits.py. */
 #include <immintrin.h>
 #include "cpu_simd.h"
 #include <math.h>

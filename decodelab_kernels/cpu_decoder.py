@@ -11,7 +11,7 @@ import ctypes
 
 import torch
 
-from kernels import _cbuild, cpu_decode_attention, cpu_int8, cpu_layer_ops
+from decodelab_kernels import _cbuild, cpu_decode_attention, cpu_int8, cpu_layer_ops
 
 _p = ctypes.c_void_p
 

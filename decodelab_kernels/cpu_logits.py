@@ -1,5 +1,5 @@
 """The log-sum-exp, entropy and top-n of rows of logits on x86 CPUs with AVX2 + FMA (`cpu_logits.c`), built on
-first use (kernels/_cbuild.py).
+first use (decodelab_kernels/_cbuild.py).
 
 Why: a sampled row's log-probabilities, its top alternatives and its entropy cost PyTorch ~8 passes over the
 vocabulary (log_softmax, topk, then exp, mask, product and sum for the entropy); at SmolLM2's 49k logits that was
@@ -12,7 +12,7 @@ import ctypes
 
 import torch
 
-from kernels import _cbuild
+from decodelab_kernels import _cbuild
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -27,7 +27,7 @@ enabled = KERNEL.enabled  # whether to use it (it builds, and DECODELAB_CPU_KERN
 
 
 def applies(x: torch.Tensor) -> bool:
-    """Whether to run it on x: our CPU kernels are enabled (kernels/_cbuild.enabled), and x is fp32 rows on the
+    """Whether to run it on x: our CPU kernels are enabled (_cbuild.enabled), and x is fp32 rows on the
     CPU, each row contiguous."""
     return (x.dtype == torch.float32 and x.is_cpu and x.dim() == 2 and x.stride(1) == 1 and x.shape[1] > 0
             and enabled())

@@ -25,7 +25,7 @@ from memory once per call; the weights are packed at load time (`pack_wide`) so 
 outputs, one a lane, and each slab of 16 outputs is one sequential stream (docs/kernels.md has the measurements).
 
 Which build runs (`default_isa()`): the AMX one ("amx": the VNNI source with -DDL_AMX, its blocks of 16 rows through
-AMX-INT8's tiles, the same bits; kernels/cpu_amx.h) where the CPU has amx_tile and amx_int8 too and Linux grants the
+AMX-INT8's tiles, the same bits; cpu_amx.h) where the CPU has amx_tile and amx_int8 too and Linux grants the
 process the tiles' state, else the VNNI one where it has avx512f, avx512bw and avx512_vnni and it builds, else the
 AVX-512 one where it has the first two, else the AVX2 one; DECODELAB_CPU_ISA=avx2 forces the AVX2 build on any CPU
 (int8_linear's DECODELAB_INT8_KERNEL=amx, =avx512vnni or =avx512 insists on one of the others; =avx512vnni is the
@@ -40,7 +40,7 @@ intrinsics (Debian's libsimde-dev; the last with AMX's tiles emulated in plain C
 logic on a CPU without the instructions (16-40x slower than the
 AVX2 build on Zen 3; never chosen by `default_isa()`).
 
-The first call (`unavailable()` or `linear()`) compiles the source (kernels/_cbuild.py: the system C compiler,
+The first call (`unavailable()` or `linear()`) compiles the source (decodelab_kernels/_cbuild.py: the system C compiler,
 -O3 -mavx2 -mfma -mf16c -fopenmp, into `$DECODELAB_CACHE_DIR/kernels`, once per source version). `unavailable()` says
 why not when the CPU lacks AVX2, FMA or F16C, there is no compiler, or the build fails: callers
 (int8_linear.int8_kernel) then fall back to PyTorch's kernels.
@@ -53,7 +53,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import _cbuild
+from decodelab_kernels import _cbuild
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -223,7 +223,7 @@ def half_scales_enabled() -> bool:
     return os.environ.get("DECODELAB_INT8_HALF_SCALES", "1") != "0"
 
 
-FMT_NIBBLES, FMT_HALF = 1, 2  # Matrix.fmt's bits, as kernels/cpu_int8.h defines them
+FMT_NIBBLES, FMT_HALF = 1, 2  # Matrix.fmt's bits, as decodelab_kernels/cpu_int8.h defines them
 
 
 class Matrix:

@@ -1,5 +1,5 @@
 """RMSNorm (with the residual add), RoPE in place, SiLU(gate) * up, and the row scaling around fbgemm's int8
-matmul on x86 CPUs with AVX2 + FMA (`cpu_layer_ops.c`), built on first use (kernels/_cbuild.py).
+matmul on x86 CPUs with AVX2 + FMA (`cpu_layer_ops.c`), built on first use (decodelab_kernels/_cbuild.py).
 
 Why: between its matmuls a decoder layer runs ~20 small PyTorch ops; at the few rows of a decode step each costs
 its own overhead (F.rms_norm ~16 us at one row of 576, RoPE ~16, SiLU * up ~10 on the 2-core AVX2 target), ~8 ms
@@ -13,7 +13,7 @@ import ctypes
 
 import torch
 
-from kernels import _cbuild
+from decodelab_kernels import _cbuild
 
 
 def _declare(lib: ctypes.CDLL) -> None:

@@ -1,7 +1,7 @@
 /* The per-row ops between a decoder layer's matmuls on x86 CPUs with AVX2 and FMA: RMSNorm (with the residual add
    before it), RoPE in place, and SiLU(gate) * up. Each is several small PyTorch ops (5-15 us each at one row,
    mostly their own overhead); here each is one call. Rows are independent, so results do not depend on the batch.
-   No threads: a decode step has a few rows of a few hundred values. Built and loaded by kernels/cpu_layer_ops.py. */
+   No threads: a decode step has a few rows of a few hundred values. Built and loaded by decodelab_kernels/cpu_layer_ops.py. */
 #include <immintrin.h>
 #include "cpu_simd.h"
 #include <math.h>

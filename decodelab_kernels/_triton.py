@@ -38,7 +38,7 @@ def load_kv_tile(k_ptr, v_ptr, bt_row_ptr, t, tmask, kvh, d, D, stride_kb, strid
                  PAGE: tl.constexpr, UPCAST: tl.constexpr, ks_ptr, vs_ptr, HKV: tl.constexpr,
                  QUANT: tl.constexpr, out_dtype: tl.constexpr):
     # K and V rows of one sequence's context positions `t`, found through its block table row;
-    # QUANT: int8 rows times their own per-head scale ([num_blocks, PAGE, Hkv] fp32, kernels/kv_int8.py), as out_dtype
+    # QUANT: int8 rows times their own per-head scale ([num_blocks, PAGE, Hkv] fp32, kv_int8.py), as out_dtype
     blk = tl.load(bt_row_ptr + t // PAGE, mask=tmask, other=0).to(tl.int64)
     row = blk * stride_kb + (t % PAGE) * stride_kt + kvh * stride_kh
     srow = (blk * PAGE + t % PAGE) * HKV + kvh

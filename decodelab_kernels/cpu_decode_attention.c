@@ -3,7 +3,7 @@
    gather into a padded copy, no mask, no per-layer plan).
 
    q [B, H, D] fp32 (row stride ldq, heads contiguous); caches [num_blocks, block_size, Hkv, D], fp32, fp16 or int8
-   (an int8 cache reads back as value * scale[block, slot, head], kernels/kv_int8.py: the scale of row r at r / D); block_tables [B, *] int32 (row
+   (an int8 cache reads back as value * scale[block, slot, head], decodelab_kernels/kv_int8.py: the scale of row r at r / D); block_tables [B, *] int32 (row
    stride ldbt); context_lens [B] int32; out [B, H, D] fp32 contiguous.
 
    One task per (sequence, KV head) computes its G = H / Hkv query heads, the group's K/V rows of a chunk of CHUNK
@@ -12,7 +12,7 @@
    the max grows), the weights (a vectorized exp), then the weighted V rows into accumulators held in registers.
    A task's arithmetic depends on its own sequence only: a sequence gets the same bits alone or in any batch.
    Tasks are split between threads by OpenMP (PyTorch's libgomp, loaded first) once a step has enough work to pay
-   for waking them (`parallel_min`). Built and loaded by kernels/cpu_decode_attention.py. */
+   for waking them (`parallel_min`). Built and loaded by decodelab_kernels/cpu_decode_attention.py. */
 #include <immintrin.h>
 #include "cpu_simd.h"
 #include <math.h>

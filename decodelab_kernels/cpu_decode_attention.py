@@ -5,7 +5,7 @@ padded copy, SDPA with a length mask, and the reshapes around them: ~0.14 ms a l
 AVX2 target, most of it the ops' own overhead for a few hundred context tokens. The C kernel reads K/V in place
 through the block table, once per KV head for all its query heads (docs/kernels.md has the measurements).
 
-The engine uses it for fp32 queries over fp32, fp16 or int8 caches on the CPU when it builds (kernels/_cbuild.py);
+The engine uses it for fp32 queries over fp32, fp16 or int8 caches on the CPU when it builds (_cbuild.py);
 `unavailable()` says why not, and `supports()` whether a given call fits (head size a multiple of 8 up to 256,
 at most 16 query heads per KV head). Anything else runs the torch path.
 
@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from kernels import _cbuild
+from decodelab_kernels import _cbuild
 
 MAX_D, MAX_G = 256, 16  # as in the C source
 # the caches' element kinds, as the C source numbers them, and the stores into float caches
@@ -114,7 +114,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     [num_blocks, block_size, Hkv] for an int8 cache. Every context length must be >= 1 and every block id it covers
     valid (not checked here)."""
     if (why := unavailable()) is not None:
-        raise RuntimeError(f"kernels/cpu_decode_attention.c is not available: {why}")
+        raise RuntimeError(f"decodelab_kernels/cpu_decode_attention.c is not available: {why}")
     assert supports(q, k_cache), "see supports()"
     quant = k_cache.dtype == torch.int8
     assert quant == (k_scale is not None) and k_cache.is_contiguous() and v_cache.is_contiguous()

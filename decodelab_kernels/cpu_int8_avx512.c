@@ -1,10 +1,10 @@
 /* cpu_int8.c's matmul (grouped 8-bit or 4-bit weights x int16-quantized activations, the same format and the same
-   integers) for x86 CPUs with AVX-512 F + BW: Intel Xeons since Skylake-SP, AMD Zen 4. kernels/cpu_int8.py picks
+   integers) for x86 CPUs with AVX-512 F + BW: Intel Xeons since Skylake-SP, AMD Zen 4. decodelab_kernels/cpu_int8.py picks
    it where the CPU has them but not AVX512-VNNI (Skylake-SP; cpu_int8_vnni.c where it has that too, or with
    DECODELAB_INT8_KERNEL=avx512 this build anyway); DECODELAB_CPU_ISA=avx2 forces the AVX2 build instead.
 
    Lanes (since session 33, as the AVX2 build's with one register for both halves): a zmm holds 16 outputs, one a
-   lane, each lane two neighbouring k of its output (kernels/cpu_int8.py `pack_wide(..., lane=2)`, the AVX2 build's
+   lane, each lane two neighbouring k of its output (decodelab_kernels/cpu_int8.py `pack_wide(..., lane=2)`, the AVX2 build's
    layout: a k-group is 16 pieces of 32 bytes, 4-bit codes 8 pieces of nibble bytes whose low nibbles are k 2q.. and
    high ones k 16 + 2q..), widened to int16 once per k-group for up to LANE_ROWS rows; per row vpmaddwd against its
    two int16 codes at those k broadcast to every lane and a vpaddd add 32 products into 16 int32 sums, a group's

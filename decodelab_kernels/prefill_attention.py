@@ -3,8 +3,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import dot_upcast, load_kv_tile, require_triton, tl, triton
-from kernels._workspace import gather_dequant
+from decodelab_kernels._triton import dot_upcast, load_kv_tile, require_triton, tl, triton
+from decodelab_kernels._workspace import gather_dequant
 
 
 @dataclass

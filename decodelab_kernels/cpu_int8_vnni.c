@@ -1,6 +1,6 @@
 /* cpu_int8.c's matmul (grouped 8-bit or 4-bit weights x int16-quantized activations, the same weight format and
    the same integer group sums) for x86 CPUs with AVX512-VNNI: Intel Xeons since Cascade Lake, AMD Zen 4 and 5.
-   kernels/cpu_int8.py picks it where the CPU has avx512_vnni (DECODELAB_INT8_KERNEL=avx512 forces cpu_int8_avx512.c).
+   decodelab_kernels/cpu_int8.py picks it where the CPU has avx512_vnni (DECODELAB_INT8_KERNEL=avx512 forces cpu_int8_avx512.c).
 
    vpdpbusd multiplies 64 unsigned bytes by 64 signed ones and adds each 4 neighbouring products into 16 int32
    lanes. The weight codes are the unsigned bytes as they are; an activation's int16 code x is split into two signed
@@ -13,7 +13,7 @@
    blocks): 0.88x its time at 1 row, 0.81x at 8.
 
    Lanes (since session 31): a zmm holds 16 outputs, one a lane, each lane 4 neighbouring k of its output; the
-   weights come in slabs of 16 outputs (kernels/cpu_int8.py `pack_wide`: a k-group is 8 zmm of codes, or 4 of
+   weights come in slabs of 16 outputs (decodelab_kernels/cpu_int8.py `pack_wide`: a k-group is 8 zmm of codes, or 4 of
    nibble bytes whose low nibbles are k 4q.. and high ones k 16 + 4q..), and a row's 4 bytes at those k are
    broadcast to every lane. Per row, group and slab: 16 vpdpbusd (8 for hi, 8 for lo), a shift and an add, then
    one conversion and one FMA by the 16 outputs' steps (stored 16 a group, as the offsets): a lane ends as its
@@ -221,7 +221,7 @@ static void slab_amx(const int16_t* xq, const float* xsum, const float* xs, int6
              ldy, nb, fmt);
 }
 
-/* 0 where this process may use the tiles (kernels/cpu_int8.py asks once, before the first matmul), else -1 */
+/* 0 where this process may use the tiles (decodelab_kernels/cpu_int8.py asks once, before the first matmul), else -1 */
 int dl_int8_ready(void) { return amx_request(); }
 
 DL_INT8_LINEAR(slab_amx, XMAX, split_rows, 0, amx_around)

@@ -79,7 +79,7 @@ def missing(needs: tuple[str, ...]) -> list[str]:
 
 
 def build(name: str, flags: tuple[str, ...] = (), needs: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str]:
-    """kernels/`name`.c built (unless already in the cache) with FLAGS + `flags` and loaded: (the library, "") or
+    """`name`.c built (unless already in the cache) with FLAGS + `flags` and loaded: (the library, "") or
     (None, why not). `needs`: the CPU flags (/proc/cpuinfo's names) the build runs on, beyond AVX2, FMA and F16C."""
     source = Path(__file__).with_name(f"{name}.c")
     if generic_cpu():
@@ -90,7 +90,7 @@ def build(name: str, flags: tuple[str, ...] = (), needs: tuple[str, ...] = ()) -
         return None, f"this CPU lacks {', '.join(lacking)} (or has no /proc/cpuinfo to say so)"
     cc = shutil.which(os.environ.get("CC") or "cc")
     if cc is None:
-        return None, f"no C compiler (cc, or $CC) to build kernels/{name}.c"
+        return None, f"no C compiler (cc, or $CC) to build decodelab_kernels/{name}.c"
     argv_flags = [*FLAGS, *flags]
     text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
     tag = hashlib.sha256(text + " ".join(argv_flags).encode()).hexdigest()[:12]
@@ -103,10 +103,10 @@ def build(name: str, flags: tuple[str, ...] = (), needs: tuple[str, ...] = ()) -
             argv = [cc, *argv_flags, "-o", tmp, str(source), "-lm"]
             done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
             if done.returncode != 0:
-                return None, f"building kernels/{name}.c failed: {done.stderr.strip()[:300]}"
+                return None, f"building decodelab_kernels/{name}.c failed: {done.stderr.strip()[:300]}"
             os.replace(tmp, out)
         except (OSError, subprocess.SubprocessError) as e:
-            return None, f"building kernels/{name}.c failed: {e}"
+            return None, f"building decodelab_kernels/{name}.c failed: {e}"
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
@@ -151,7 +151,7 @@ class CKernel:
     def lib(self) -> ctypes.CDLL:
         lib, why = self._loaded
         if lib is None:
-            raise RuntimeError(f"kernels/{self.name}.c is not available: {why}")
+            raise RuntimeError(f"decodelab_kernels/{self.name}.c is not available: {why}")
         return lib
 
     def unavailable(self) -> str | None:

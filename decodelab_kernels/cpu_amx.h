@@ -1,7 +1,7 @@
 /* The few AMX tile operations the AMX build of the int8 matmul uses (cpu_int8_vnni.c with -DDL_AMX), as the
    hardware's intrinsics (-mamx-tile -mamx-int8) or, with -DDL_AMX_EMULATE, as plain C over 8 thread-local tiles of
    1 KiB: how tests check that build's logic (layouts, strides, signs) on CPUs without AMX, as SIMDe does for
-   AVX-512. kernels/_cbuild.py hashes this header with each source.
+   AVX-512. decodelab_kernels/_cbuild.py hashes this header with each source.
 
    A tile is up to 16 rows of up to 64 bytes, shaped by a 64-byte configuration (palette 1). TDPBSUD(c, a, b):
    c[m][n] += sum over k of a[m][4k + j] * b[k][4n + j], j = 0..3, a's bytes signed and b's unsigned, in int32 (no

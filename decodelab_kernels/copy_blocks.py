@@ -1,6 +1,6 @@
 import torch
 
-from kernels._triton import require_triton, tl, triton
+from decodelab_kernels._triton import require_triton, tl, triton
 
 # Precondition for both paths (copy-on-write guarantees it): no dst block is also a src of the same call.
 

@@ -1,7 +1,7 @@
 import torch
 
-from kernels._triton import require_triton, tl, triton
-from kernels.kv_int8 import QMAX, store_int8_torch
+from decodelab_kernels._triton import require_triton, tl, triton
+from decodelab_kernels.kv_int8 import QMAX, store_int8_torch
 
 # int8 caches (kv_int8.py) take k_scale / v_scale [num_blocks, block_size, Hkv] fp32: each row's scale is written
 # here with it.

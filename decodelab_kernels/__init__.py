@@ -1,10 +1,10 @@
 # Attention / KV-cache kernels: a torch reference (the CPU path) and a Triton kernel per file.
 # Never imports engine_service: the engine depends on kernels, not the other way round.
-from kernels._triton import HAS_TRITON
-from kernels.copy_blocks import copy_blocks_torch, copy_blocks_triton
-from kernels.paged_decode_attention import paged_decode_attention_torch, paged_decode_attention_triton
-from kernels.prefill_attention import prefill_attention_torch, prefill_attention_triton
-from kernels.store_kvcache import store_kvcache_torch, store_kvcache_triton
+from decodelab_kernels._triton import HAS_TRITON
+from decodelab_kernels.copy_blocks import copy_blocks_torch, copy_blocks_triton
+from decodelab_kernels.paged_decode_attention import paged_decode_attention_torch, paged_decode_attention_triton
+from decodelab_kernels.prefill_attention import prefill_attention_torch, prefill_attention_triton
+from decodelab_kernels.store_kvcache import store_kvcache_torch, store_kvcache_triton
 
 
 def triton_available() -> bool:

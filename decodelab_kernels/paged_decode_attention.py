@@ -1,8 +1,8 @@
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import dot_upcast, load_kv_tile, require_triton, tl, triton
-from kernels._workspace import gather_dequant
+from decodelab_kernels._triton import dot_upcast, load_kv_tile, require_triton, tl, triton
+from decodelab_kernels._workspace import gather_dequant
 
 # Sequences are sorted by context length and attended in padded groups of this many. Measured on
 # 128 sequences with contexts 16..1000: one padded batch 117 ms/layer, groups of 8 ~14 ms (1 thread).

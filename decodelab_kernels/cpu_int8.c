@@ -1,6 +1,6 @@
 /* grouped 8-bit (or 4-bit) weights x int16-quantized activations on x86 CPUs with AVX2: y = x @ w.T (+ bias).
 
-   w [N, K] comes as kernels/cpu_int8.py `GroupedInt8`: w[n, k] = d[n, g] * u[n, k] + m[n, g], g = k / 32, u
+   w [N, K] comes as decodelab_kernels/cpu_int8.py `GroupedInt8`: w[n, k] = d[n, g] * u[n, k] + m[n, g], g = k / 32, u
    uint8, an fp32 step d and offset m per group of 32 weights: each group's 256 levels span its own [min, max]
    (asymmetric, like llama.cpp's Q4_1 blocks, whose 16 levels it keeps exactly). Per-row symmetric int8, the format
    before, cost SmolLM2 up to 0.25 nats on a continuation's log-likelihood and +1% perplexity; integer steps and
@@ -10,7 +10,7 @@
 
    Lanes (since session 33): a ymm holds 8 outputs, one a lane, each lane two neighbouring k of its output, so
    vpmaddwd against a row's two int16 codes at those k broadcast to every lane, and a vpaddd, add 16 products into
-   8 int32 sums. The weights come in slabs of 16 outputs (kernels/cpu_int8.py `pack_wide(..., lane=2)`: a k-group
+   8 int32 sums. The weights come in slabs of 16 outputs (decodelab_kernels/cpu_int8.py `pack_wide(..., lane=2)`: a k-group
    is 16 pieces of 32 bytes, piece q each output's codes at k 2q and 2q + 1; 4-bit: 8 pieces of nibble bytes,
    whose low nibbles are k 2q.. and high ones k 16 + 2q..), widened to int16 once for a block of up to 4 rows, and
    a slab's two halves share each broadcast. After a group's 16 k-pairs a lane holds its output's exact integer
@@ -25,7 +25,7 @@
    Each row goes through the same operations whichever block computes it (a block is 1-4 rows of one slab), so a
    row gives the same bits alone or in any batch. OpenMP splits the slabs between threads (the process's OpenMP
    runtime: PyTorch's libgomp, already loaded, so torch.set_num_threads applies). Built and loaded by
-   kernels/cpu_int8.py. */
+   decodelab_kernels/cpu_int8.py. */
 #include <immintrin.h>
 #include "cpu_simd.h"
 #include "cpu_int8.h"

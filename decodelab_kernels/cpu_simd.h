@@ -1,4 +1,4 @@
-/* Helpers shared by the AVX2 kernels (cpu_*.c); kernels/_cbuild.py hashes this header with each source. */
+/* Helpers shared by the AVX2 kernels (cpu_*.c); decodelab_kernels/_cbuild.py hashes this header with each source. */
 #pragma once
 #include <immintrin.h>
 #include <stdlib.h>

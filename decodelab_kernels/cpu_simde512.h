@@ -1,6 +1,6 @@
 /* The AVX-512 int8 builds (cpu_int8_avx512.c, cpu_int8_vnni.c) compiled with -DDL_SIMDE (and without -mavx512*):
    SIMDe's portable versions of their intrinsics (Debian's libsimde-dev), how tests check those kernels' logic on
-   CPUs without the instructions. kernels/_cbuild.py hashes this header with each source. */
+   CPUs without the instructions. decodelab_kernels/_cbuild.py hashes this header with each source. */
 #pragma once
 #ifdef DL_SIMDE
 #define SIMDE_ENABLE_NATIVE_ALIASES

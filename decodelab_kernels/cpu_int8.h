@@ -1,7 +1,7 @@
 /* What the builds of the grouped int8 matmul share (cpu_int8.c, AVX2; cpu_int8_avx512.c, AVX-512; cpu_int8_vnni.c,
    AVX512-VNNI): the activations' int16 quantization (AVX2, which every AVX-512 CPU has), the weights' layout (slabs
    of 16 outputs, one a register lane), the split of the slabs between threads and of the rows into blocks.
-   kernels/_cbuild.py hashes this header with each source. */
+   decodelab_kernels/_cbuild.py hashes this header with each source. */
 #pragma once
 #include <immintrin.h>
 #include <math.h>
@@ -60,7 +60,7 @@ static void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int
     }
 }
 
-/* A matrix's format (kernels/cpu_int8.py `Matrix.fmt`): FMT_NIBBLES, 4-bit codes (two a byte) instead of 8-bit ones;
+/* A matrix's format (decodelab_kernels/cpu_int8.py `Matrix.fmt`): FMT_NIBBLES, 4-bit codes (two a byte) instead of 8-bit ones;
    FMT_HALF, its steps and offsets in fp16 instead of fp32 (where that rounding changes none of them: a GGUF's
    Q4_1 and Q8_0 scales are fp16 to begin with), 4 bytes fewer per 32 weights. */
 #define FMT_NIBBLES 1
@@ -130,9 +130,9 @@ typedef int (*prepare_fn)(int16_t* xq, int64_t M, int64_t Kp);
 typedef void (*around_fn)(int begin, int64_t M);
 
 /* wp: u packed in slabs of 16 outputs, (N + 15) / 16 of 16 * Kp bytes (FMT_NIBBLES: 4-bit codes, 8 * Kp), Kp = K
-   rounded up to 32, laid out as the build's blocks read them (kernels/cpu_int8.py `pack_wide`); dp: the steps,
+   rounded up to 32, laid out as the build's blocks read them (decodelab_kernels/cpu_int8.py `pack_wide`); dp: the steps,
    [(N + 15) / 16][Kp / 32][16]; mp: the offsets, [(N + 15) / 16][Gp][16], Gp = Kp / 32 rounded up to 8 (zeros past
-   it) (`pack_wide_scales`); both fp32, or fp16 with FMT_HALF (kernels/cpu_int8.py `Matrix`). `group` gets each slab
+   it) (`pack_wide_scales`); both fp32, or fp16 with FMT_HALF (decodelab_kernels/cpu_int8.py `Matrix`). `group` gets each slab
    in turn, OpenMP splitting them between threads. Returns 0, or -1 when the int16 copy of x could not be allocated.
    xmax and prepare: the build's activation grid and its pass over the quantized rows. reread: the row count from
    which the build's blocks read a slab more than once (0: never). around: the build's work in each thread around
